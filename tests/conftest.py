@@ -1,0 +1,145 @@
+"""Shared fixtures: a real local Ray cluster (head started with `ray start`, token
+auth on, bound to 127.0.0.1) and a helper that runs `python -m workers.run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+# Ray reads this once, at import: the test process is a client of a token-auth cluster.
+os.environ["RAY_AUTH_MODE"] = "token"
+
+ROOT = Path(__file__).resolve().parents[1]
+MNIST = ROOT.parent / "shared" / "data" / "mnist" / "raw"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    address: str
+    dashboard: str
+    env: dict[str, str]
+
+
+def _wait_for_job_agent(dashboard: str, timeout: float = 90) -> None:
+    """`ray start` returns before the head's job agent registers; a job submitted
+    earlier is refused with 'No available agent'. Submit a no-op until one is taken."""
+    import time
+
+    from ray.job_submission import JobSubmissionClient
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            JobSubmissionClient(dashboard).submit_job(entrypoint="true")
+            return
+        except Exception:
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """One head node for the whole session; 8 logical CPUs on 2 cores, since every
+    worker runs one thread."""
+    port, dash = free_port(), free_port()
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
+           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    ray = shutil.which("ray", path=env["PATH"])
+    start = [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "8",
+             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--disable-usage-stats"]
+    subprocess.run(start, env=env, check=True, capture_output=True, cwd=ROOT, timeout=120)
+    try:
+        _wait_for_job_agent(f"http://127.0.0.1:{dash}")
+        yield Cluster(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}",
+                      env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"})
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@dataclass
+class Outcome:
+    rc: int
+    summary: dict | None
+    output: str
+    run_dir: Path
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r for r in rows if kind is None or r["event"] == kind]
+
+
+def last_json_line(text: str) -> dict | None:
+    for line in reversed(text.splitlines()):
+        if line.startswith("{") and '"job_id"' in line:
+            return json.loads(line)
+    return None
+
+
+def write_spec(tmp_path: Path, spec: dict, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def start_job(cluster: Cluster, spec: dict, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    spec = {"storage": str(tmp_path / "runs"), **spec}
+    path = write_spec(tmp_path, spec, f"{spec['job_id']}.yaml")
+    proc = subprocess.Popen([sys.executable, "-m", "workers.run", str(path)], cwd=ROOT, env=cluster.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, Path(spec["storage"]) / spec["job_id"]
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300) -> Outcome:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"job did not finish in {timeout}s:\n{out[-5000:]}")
+    return Outcome(proc.returncode, last_json_line(out), out, run_dir)
+
+
+def run_job(cluster: Cluster, spec: dict, tmp_path: Path, timeout: float = 300) -> Outcome:
+    return finish(*start_job(cluster, spec, tmp_path), timeout=timeout)
+
+
+def recovery_spec(job_id: str, faults: list[dict] | None = None) -> dict:
+    """The spec every recovery test shares, so they all compare to one undisturbed twin."""
+    return {
+        "job_id": job_id,
+        "model": "simple_cnn",
+        "dataset": {"name": "synthetic", "size": 2048, "noise": 2.0},
+        "workers": 2,
+        "training": {"max_steps": 40, "global_batch_size": 64, "seed": 7},
+        "checkpoint": {"every_steps": 10, "keep": 2},
+        "failure": {"max_failures": 4, "collective_timeout_s": 8},
+        "faults": faults or [],
+    }
+
+
+@pytest.fixture(scope="session")
+def twin(ray_cluster, tmp_path_factory) -> Outcome:
+    """The undisturbed run all recovery tests must match bit for bit."""
+    outcome = run_job(ray_cluster, recovery_spec("twin"), tmp_path_factory.mktemp("twin"))
+    assert outcome.rc == 0, outcome.output[-3000:]
+    assert outcome.summary["restarts"] == 0
+    return outcome

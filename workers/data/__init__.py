@@ -1,0 +1,164 @@
+"""Datasets by name: torchvision sets, users' own files, and a synthetic set.
+
+Every source ends as an `ImageSet`: `len()` and `batch(indices) -> (x, y)`. Sets that
+fit in memory are held as tensors so a batch is one indexing operation, not a Python
+loop over samples.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from workers.data.idx import read_idx
+from workers.data.synthetic import synthetic
+from workers.spec import DatasetSpec
+
+
+class DatasetUnavailable(RuntimeError):
+    """The files are not there and cannot be fetched; the message says where they go."""
+
+
+class ImageSet:
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[indices], self.labels[indices]
+
+
+class FolderSet:
+    """torchvision ImageFolder, read lazily: users' folders may not fit in memory."""
+
+    def __init__(self, folder, indices: torch.Tensor):
+        self.folder, self.indices = folder, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        items = [self.folder[int(self.indices[i])] for i in indices]
+        return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
+
+
+@dataclass
+class Splits:
+    train: ImageSet | FolderSet
+    val: ImageSet | FolderSet
+    in_channels: int
+    num_classes: int
+    image_size: int
+    notice: str | None = None
+
+
+def _as_float(images: torch.Tensor) -> torch.Tensor:
+    x = images.float()
+    if images.dtype == torch.uint8:
+        x = x / 255.0
+    if x.dim() == 3:  # N, H, W -> N, 1, H, W
+        x = x.unsqueeze(1)
+    elif x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):  # N, H, W, C -> N, C, H, W
+        x = x.permute(0, 3, 1, 2).contiguous()
+    return x
+
+
+def _split(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = int(round(n * val_fraction))
+    return perm[n_val:], perm[:n_val]
+
+
+def _tensor_splits(images, labels, val_images, val_labels, spec: DatasetSpec, seed: int) -> Splits:
+    x, y = _as_float(images), labels.long()
+    if val_images is None:
+        train_idx, val_idx = _split(len(y), spec.val_fraction, seed)
+        vx, vy = x[val_idx], y[val_idx]
+        x, y = x[train_idx], y[train_idx]
+    else:
+        vx, vy = _as_float(val_images), val_labels.long()
+    # Standardise with the training set's own statistics, per channel.
+    mean = x.mean(dim=(0, 2, 3), keepdim=True)
+    std = x.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
+    x, vx = (x - mean) / std, (vx - mean) / std
+    return Splits(ImageSet(x, y), ImageSet(vx, vy), x.shape[1], int(max(y.max(), vy.max() if len(vy) else 0)) + 1, x.shape[-1])
+
+
+def _torchvision(spec: DatasetSpec, seed: int) -> Splits:
+    from torchvision import datasets
+
+    cls, folder, files = {
+        "mnist": (datasets.MNIST, "MNIST/raw", "train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-*"),
+        "fashion_mnist": (datasets.FashionMNIST, "FashionMNIST/raw", "train-images-idx3-ubyte.gz, ... t10k-*"),
+        "cifar10": (datasets.CIFAR10, "", "cifar-10-python.tar.gz"),
+    }[spec.name]
+    root = spec.root or os.path.join(os.path.expanduser("~"), ".cache", "elastic-train", "data")
+    try:
+        train = cls(root, train=True, download=spec.download)
+        test = cls(root, train=False, download=spec.download)
+    except Exception as e:  # torchvision raises RuntimeError, URLError or OSError here
+        where = os.path.join(root, folder)
+        raise DatasetUnavailable(
+            f"dataset {spec.name!r} is not in {where} and could not be downloaded ({type(e).__name__}): "
+            f"put {files} in {where}"
+        ) from e
+    images = lambda d: torch.as_tensor(d.data)  # noqa: E731
+    labels = lambda d: torch.as_tensor(d.targets)  # noqa: E731
+    return _tensor_splits(images(train), labels(train), images(test), labels(test), spec, seed)
+
+
+def _image_folder(spec: DatasetSpec, seed: int) -> Splits:
+    from torchvision import datasets, transforms
+
+    if not os.path.isdir(spec.root):
+        raise DatasetUnavailable(f"image_folder: {spec.root} is not a directory; put one sub-folder per class there")
+    tf = transforms.Compose([transforms.Resize((spec.image_size, spec.image_size)), transforms.ToTensor()])
+    folder = datasets.ImageFolder(spec.root, transform=tf)
+    train_idx, val_idx = _split(len(folder), spec.val_fraction, seed)
+    channels = folder[0][0].shape[0]
+    return Splits(FolderSet(folder, train_idx), FolderSet(folder, val_idx), channels, len(folder.classes), spec.image_size)
+
+
+def _synthetic(spec: DatasetSpec, seed: int, notice: str | None = None) -> Splits:
+    images, labels = synthetic(
+        size=spec.size, num_classes=spec.num_classes, channels=spec.channels,
+        image_size=spec.image_size, noise=spec.noise, seed=seed,
+    )
+    splits = _tensor_splits(images, labels, None, None, spec, seed)
+    splits.num_classes = spec.num_classes
+    splits.notice = notice
+    return splits
+
+
+def check_available(spec: DatasetSpec) -> str | None:
+    """Fail fast, before any worker starts, when files are missing. Returns a notice
+    when the spec falls back to the synthetic set."""
+    missing = []
+    if spec.name in ("mnist", "fashion_mnist", "cifar10"):
+        _torchvision(spec, seed=0)  # downloads once here rather than in every worker at once
+    elif spec.name == "idx":
+        missing = [p for p in (spec.images, spec.labels) if not os.path.isfile(p)]
+    elif spec.name == "image_folder" and not os.path.isdir(spec.root):
+        missing = [spec.root]
+    if not missing:
+        return None
+    if spec.fallback_to_synthetic:
+        return f"notice: {', '.join(missing)} not found; training on the synthetic dataset instead"
+    raise DatasetUnavailable(f"dataset {spec.name!r}: {', '.join(missing)} not found; put the files there")
+
+
+def load(spec: DatasetSpec, seed: int) -> Splits:
+    notice = check_available(spec)
+    if notice:
+        return _synthetic(spec, seed, notice)
+    if spec.name == "synthetic":
+        return _synthetic(spec, seed)
+    if spec.name == "idx":
+        return _tensor_splits(read_idx(spec.images), read_idx(spec.labels), None, None, spec, seed)
+    if spec.name == "image_folder":
+        return _image_folder(spec, seed)
+    return _torchvision(spec, seed)

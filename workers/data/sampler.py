@@ -1,0 +1,38 @@
+"""Which samples each rank trains on, resumable mid-epoch.
+
+torch's DistributedSampler cannot start in the middle of an epoch. This one can: the
+data position (epoch, batch) is all it needs, so it is what the checkpoint stores.
+Step k of an epoch takes samples perm[k*G:(k+1)*G] of one seeded permutation and rank
+r the r-th slice of those, so the global batch is the same whatever the world size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ResumableDistributedSampler:
+    def __init__(self, num_samples: int, global_batch: int, *, rank: int, world_size: int, seed: int):
+        if global_batch % world_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
+        if num_samples < global_batch:
+            raise ValueError(f"the training set has {num_samples} samples, fewer than one global batch ({global_batch})")
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.local_batch = global_batch // world_size
+        self.rank = rank
+        self.seed = seed
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch  # the ragged tail is dropped, as drop_last does
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def batches(self, epoch: int, start: int = 0):
+        """Yield (batch_index, this rank's sample indices) from batch `start` of `epoch`."""
+        perm = self.permutation(epoch)
+        for k in range(start, self.steps_per_epoch):
+            lo = k * self.global_batch + self.rank * self.local_batch
+            yield k, perm[lo : lo + self.local_batch]

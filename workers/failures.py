@@ -1,0 +1,103 @@
+"""Failure classification (DESIGN.md invariant 4) and its recording.
+
+A policy returns a decision; the Ray Train controller acts on it. Ray Train retries
+every worker-group error up to FailureConfig.max_failures and has no public hook to
+mark an error final, but an exception raised from a UserCallback ends the run at
+once as a non-retryable controller error: that is how a deterministic user error
+stops the job within one attempt.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+from ray.train import UserCallback
+
+from workers import events
+
+INFRASTRUCTURE = "infrastructure"
+DETERMINISTIC = "deterministic"
+TRANSIENT = "transient"
+
+# Errors a rank sees when a peer dies or stalls: these are the peer's failure, not a bug.
+_COMMUNICATION = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe",
+                  "timed out", "timeout", "peer", "socket", "process group", "distbackenderror")
+
+
+class DeterministicTrainingError(RuntimeError):
+    """Training code failed in a way a retry would repeat; carries the original error."""
+
+
+def signature(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(marker in text for marker in _COMMUNICATION)
+
+
+def classify(exc: BaseException, *, step: int, completed_steps: int, history: list[dict[str, Any]]) -> str:
+    """INFRASTRUCTURE: a peer or the network failed. DETERMINISTIC: the user's code
+    failed before any step completed, or failed the same way at the same step before.
+    TRANSIENT: anything else; retried like infrastructure."""
+    from workers.faults import InjectedFault
+
+    if isinstance(exc, InjectedFault) or is_communication_error(exc):
+        return INFRASTRUCTURE
+    if completed_steps == 0:
+        return DETERMINISTIC
+    sig = signature(exc)
+    if any(h.get("signature") == sig and h.get("step") == step for h in history):
+        return DETERMINISTIC
+    return TRANSIENT
+
+
+def record_worker_error(run_dir: str, exc: BaseException, *, rank: int, step: int, attempt: int,
+                        completed_steps: int) -> str:
+    """Called by a worker on its own exception: write `worker_failed`, return the class."""
+    history = events.events(run_dir, "worker_failed")
+    kind = classify(exc, step=step, completed_steps=completed_steps, history=history)
+    events.emit(
+        run_dir, "worker_failed", rank=rank, step=step, attempt=attempt, classification=kind,
+        signature=signature(exc), error=str(exc)[:2000],
+        traceback="".join(traceback.format_exception(exc))[-4000:],
+    )
+    return kind
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    # Ray wraps a worker's exception with its traceback string, and a dead actor's
+    # error in a health-check error; look through both.
+    for attr in ("_base_exc", "health_check_failure"):
+        inner = getattr(exc, attr, None)
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
+
+
+def _is_process_death(exc: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(_unwrap(exc), RayActorError)
+
+
+class FailureRecorder(UserCallback):
+    """Runs in the Ray Train controller: records deaths workers cannot record themselves
+    and ends the run when a worker reports a deterministic error."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        for rank, exc in sorted(worker_exceptions.items()):
+            if _is_process_death(exc):
+                events.emit(self.run_dir, "worker_failed", rank=rank, classification=INFRASTRUCTURE,
+                            error=f"worker process died: {str(_unwrap(exc))[:500]}", process_died=True)
+        for rank, exc in sorted(worker_exceptions.items()):
+            inner = _unwrap(exc)
+            if isinstance(inner, DeterministicTrainingError) or "DeterministicTrainingError" in str(exc):
+                message = str(inner.args[0]) if isinstance(inner, DeterministicTrainingError) else str(exc)
+                events.emit(self.run_dir, "failed", rank=rank, classification=DETERMINISTIC, error=message[:4000])
+                raise DeterministicTrainingError(message)

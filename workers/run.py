@@ -1,0 +1,176 @@
+"""Entrypoint: `python -m workers.run SPEC` runs one job on Ray Train and prints a
+one-line JSON summary last. The same command works under `ray job submit`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from pydantic import ValidationError
+
+from workers import events
+from workers.spec import JobSpec, absolute_paths, load_spec
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC = 0, 1, 2
+
+
+def train_func(config: dict[str, Any]) -> None:
+    """Runs on every Ray Train worker; Ray has already set up the process group."""
+    import ray.train
+    from ray.train import Checkpoint, CheckpointUploadMode
+
+    from workers.loop import WorkerEnv, train
+
+    spec = JobSpec.model_validate(config["spec"])
+    ctx = ray.train.get_context()
+
+    def on_checkpoint(metrics: dict[str, Any], path: str | None) -> None:
+        # The checkpoint is already committed in the run directory, which is Ray's
+        # experiment directory too: register it with Ray without copying it.
+        ray.train.report(
+            metrics,
+            checkpoint=Checkpoint.from_directory(path) if path else None,
+            checkpoint_dir_name=f"checkpoints/step-{metrics['step']:06d}",
+            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+        )
+
+    train(spec, WorkerEnv(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), on_checkpoint))
+
+
+def prepare_run_dir(spec: JobSpec) -> str:
+    """Create the run directory and write spec.json once; a resubmission must match it."""
+    run_dir = spec.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "spec.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            existing = JobSpec.model_validate_json(f.read())
+        if existing != spec:
+            raise ValueError(f"{run_dir} already holds a different spec for job {spec.job_id}; use a new job_id")
+        return run_dir
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(spec.model_dump_json(indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return run_dir
+
+
+def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]:
+    run_dir = spec.run_dir
+    finished = next(iter(events.events(run_dir, "finished")[-1:]), None)
+    failed = next(iter(events.events(run_dir, "failed")[-1:]), None)
+    resumed = events.events(run_dir, "resumed")
+    attempts = events.events(run_dir, "attempt_started")
+    status = "succeeded" if finished and not error else "failed"
+    summary: dict[str, Any] = {
+        "job_id": spec.job_id,
+        "status": status,
+        "final_step": (finished or {}).get("final_step", max((m["step"] for m in events.metrics(run_dir)), default=0)),
+        "loss": (finished or {}).get("loss"),
+        "val_accuracy": (finished or {}).get("val_accuracy"),
+        "restarts": max(0, len(attempts) - 1),
+        "steps_recomputed": sum(r.get("lost_steps", 0) for r in resumed),
+        "recoveries": [
+            {k: r.get(k) for k in ("failed_rank", "cause", "from_step", "lost_steps", "recovery_s")} for r in resumed
+        ],
+        "wall_s": round(wall_s, 2),
+        "weights_sha256": (finished or {}).get("weights_sha256"),
+        "run_dir": run_dir,
+    }
+    if status == "failed":
+        summary["error"] = (failed or {}).get("error") or error or "training did not finish"
+    return summary
+
+
+def _ray_init(spec: JobSpec) -> None:
+    import ray
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return
+    # A local cluster sized to the job: logical CPUs may exceed cores since each worker
+    # runs with a fixed thread count (resources.cpu).
+    need = int(spec.workers * spec.resources.cpu) + 1
+    ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=True)
+
+
+def run(spec: JobSpec) -> dict[str, Any]:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from workers.data import check_available
+    from workers.failures import FailureRecorder
+
+    started = time.time()
+    run_dir = prepare_run_dir(spec)
+    notice = check_available(spec.dataset)
+    if notice:
+        print(notice, flush=True)
+    events.emit(run_dir, "job_started", pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS"))
+    _ray_init(spec)
+    use_gpu = spec.resources.gpu > 0
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"spec": spec.model_dump(mode="json")},
+        scaling_config=ScalingConfig(
+            num_workers=spec.workers,
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": spec.resources.cpu, **({"GPU": spec.resources.gpu} if use_gpu else {})},
+        ),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=spec.failure.collective_timeout_s),
+        run_config=RunConfig(
+            name=spec.job_id,
+            storage_path=spec.storage,
+            failure_config=FailureConfig(max_failures=spec.failure.max_failures),
+            # Retention is ours (checkpoint.prune): Ray must not delete what we may resume from.
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+            callbacks=[FailureRecorder(run_dir)],
+        ),
+    )
+    error = None
+    try:
+        trainer.fit()
+    except TrainingFailedError as e:
+        error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    summary = summarize(spec, time.time() - started, error)
+    if summary["status"] == "failed" and not events.events(run_dir, "failed"):
+        events.emit(run_dir, "failed", error=summary["error"])
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.run", description=__doc__)
+    parser.add_argument("spec", help="job spec file, YAML or JSON")
+    parser.add_argument("--storage", help="override the spec's storage root")
+    parser.add_argument("--job-id", help="override the spec's job_id")
+    args = parser.parse_args(argv)
+    try:
+        spec = load_spec(args.spec)
+        overrides = {k: v for k, v in {"storage": args.storage, "job_id": args.job_id}.items() if v}
+        if overrides:
+            spec = JobSpec.model_validate({**spec.model_dump(), **overrides})
+        spec = absolute_paths(spec)
+    except (OSError, ValueError, ValidationError) as e:
+        print(f"error: invalid spec {args.spec}: {e}", file=sys.stderr)
+        return EXIT_BAD_SPEC
+    try:
+        summary = run(spec)
+    except Exception as e:  # a clear line, not a traceback, for what stops a job before training
+        from workers.data import DatasetUnavailable
+
+        if not isinstance(e, (DatasetUnavailable, ValueError)):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_SPEC
+    print(json.dumps(summary), flush=True)
+    return EXIT_OK if summary["status"] == "succeeded" else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
