@@ -20,8 +20,6 @@ import shutil
 import time
 from typing import Any
 
-import torch
-
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -57,6 +55,8 @@ def _sha256(path: str) -> str:
 
 def write_shard(directory: str, name: str, obj: Any) -> None:
     """torch.save one shard and fsync it; called by every rank for its own files."""
+    import torch  # here, so the control plane can read manifests without loading torch
+
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, name)
     with open(path, "wb") as f:
@@ -161,4 +161,6 @@ def clear_partial(run_dir: str) -> None:
 
 
 def load_shard(path: str, name: str) -> Any:
+    import torch
+
     return torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)

@@ -94,7 +94,7 @@ class FailureRecorder(UserCallback):
         for rank, exc in sorted(worker_exceptions.items()):
             if _is_process_death(exc):
                 events.emit(self.run_dir, "worker_failed", rank=rank, classification=INFRASTRUCTURE,
-                            error=f"worker process died: {str(_unwrap(exc))[:500]}", process_died=True)
+                            error="worker process died", detail=str(_unwrap(exc))[:1000], process_died=True)
         for rank, exc in sorted(worker_exceptions.items()):
             inner = _unwrap(exc)
             if isinstance(inner, DeterministicTrainingError) or "DeterministicTrainingError" in str(exc):

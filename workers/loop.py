@@ -35,6 +35,7 @@ class WorkerEnv:
     local_rank: int
     # Called on every rank after a commit; rank 0 gets the committed path, others None.
     on_checkpoint: Callable[[dict[str, Any], str | None], None] = lambda metrics, path: None
+    node_id: str | None = None
 
 
 def weights_sha256(model: nn.Module) -> str:
@@ -99,7 +100,7 @@ class Recovery:
             return
         since = attempts[-1]["time"]
         recent = [e for e in events.events(run_dir) if e["time"] >= since]
-        failed = [e for e in recent if e["event"] in ("fault_injected", "worker_failed")]
+        failed = [e for e in recent if e["event"] in ("fault_injected", "worker_failed", "driver_lost")]
         self.failure_time = min((e["time"] for e in failed), default=time.time())
         self.failed_rank = self._culprit(failed)
         self.cause = next((e.get("kind") or e.get("error") for e in failed if e["event"] == "fault_injected"),
@@ -153,8 +154,6 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
         checkpoint.clear_partial(run_dir)
         found = checkpoint.latest(run_dir)
         recovery = Recovery(run_dir, from_step=found[0] if found else 0)
-        events.emit(run_dir, "attempt_started", attempt=recovery.attempt, world_size=world,
-                    from_step=found[0] if found else 0, checkpoint=found[1] if found else None)
         decided = (found, recovery.attempt)
     else:
         recovery, decided = None, None
@@ -166,6 +165,12 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
         print(splits.notice, flush=True)
     sampler = ResumableDistributedSampler(len(splits.train), cfg.global_batch_size, rank=rank, world_size=world, seed=cfg.seed)
     total_steps = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch
+    if rank == 0:
+        events.emit(run_dir, "attempt_started", attempt=attempt, world_size=world, total_steps=total_steps,
+                    from_step=found[0] if found else 0, checkpoint=found[1] if found else None)
+    # Where each rank runs, so a worker can be found (and killed on request) through Ray.
+    events.emit(run_dir, "worker_started", attempt=attempt, rank=rank, pid=os.getpid(), node_id=env.node_id,
+                durable=False)
 
     model = build_model(spec.model, in_channels=splits.in_channels, num_classes=splits.num_classes,
                         image_size=splits.image_size).to(device)

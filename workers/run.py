@@ -38,7 +38,8 @@ def train_func(config: dict[str, Any]) -> None:
             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
         )
 
-    train(spec, WorkerEnv(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), on_checkpoint))
+    train(spec, WorkerEnv(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), on_checkpoint,
+                          node_id=ray.get_runtime_context().get_node_id()))
 
 
 def prepare_run_dir(spec: JobSpec) -> str:
@@ -59,6 +60,20 @@ def prepare_run_dir(spec: JobSpec) -> str:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return run_dir
+
+
+def note_lost_driver(run_dir: str) -> None:
+    """A run directory whose last driver ended without `finished` or `failed` lost that
+    driver (killed, or its node died). Record it dated by the last sign of life, so the
+    recovery that follows is measured from then."""
+    history = events.events(run_dir)
+    starts = [i for i, e in enumerate(history) if e["event"] == "job_started"]
+    if not starts or any(e["event"] in ("finished", "failed") for e in history[starts[-1]:]):
+        return
+    metrics = events.metrics(run_dir)
+    last_seen = max([history[-1]["time"]] + [m["time"] for m in metrics[-1:]])
+    events.emit(run_dir, "driver_lost", time=last_seen, noticed_at=time.time(), error="driver process lost",
+                pid=history[starts[-1]].get("pid"))
 
 
 def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]:
@@ -112,6 +127,7 @@ def run(spec: JobSpec) -> dict[str, Any]:
     notice = check_available(spec.dataset)
     if notice:
         print(notice, flush=True)
+    note_lost_driver(run_dir)
     events.emit(run_dir, "job_started", pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS"))
     _ray_init(spec)
     use_gpu = spec.resources.gpu > 0

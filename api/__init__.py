@@ -1,0 +1,1 @@
+"""HTTP: the FastAPI app, its routers, schemas, auth and error mapping."""

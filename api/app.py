@@ -1,0 +1,174 @@
+"""create_app(settings): routers, middleware, error handlers, the reconciler's lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from api.routes import cluster, health, jobs
+from service import ledger
+from service.admission import Rejected
+from service.gateway import Gateway, GatewayError, RayGateway
+from service.jobs import NotRunning
+from service.lifecycle import IllegalTransition
+from service.metrics import ServiceMetrics
+from service.reconciler import Reconciler
+from service.settings import Settings, ensure_token
+
+log = logging.getLogger("etrain.api")
+CAPACITY_TTL_S = 10.0
+
+
+class BodyLimit:
+    """413 for bodies over the limit, counted as they arrive (Content-Length may be absent)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _too_large(self.max_bytes, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await _too_large(self.max_bytes, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _too_large(limit: int, send) -> None:
+    response = JSONResponse({"detail": f"request body over {limit} bytes"}, status_code=413)
+    await response({"type": "http"}, None, send)
+
+
+def _validation_message(errors) -> str:
+    parts = []
+    for e in errors:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    return "; ".join(parts)
+
+
+def _capacity_probe(gateway: Gateway):
+    cache: dict[str, object] = {"at": 0.0, "value": None}
+
+    def capacity():
+        # Cached: admission asks on every POST, and the answer changes slowly.
+        if time.monotonic() - cache["at"] > CAPACITY_TTL_S:
+            try:
+                cache["value"] = gateway.cluster()
+            except Exception:  # Ray down: admit, the job waits QUEUED
+                cache["value"] = None
+            cache["at"] = time.monotonic()
+        return cache["value"]
+
+    return capacity
+
+
+def create_app(settings: Settings, gateway: Gateway | None = None, *, reconcile: bool = True) -> FastAPI:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    sessions = ledger.open_ledger(settings.db_url)
+    gateway = gateway or RayGateway(settings)
+    metrics = ServiceMetrics(lambda: ledger.count_by_state(sessions))
+    reconciler = Reconciler(sessions, settings, gateway, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(reconciler.run_forever()) if reconcile else None
+        try:
+            yield
+        finally:
+            if task:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    app = FastAPI(title="elastic-train", version="0.1.0", lifespan=lifespan,
+                  description="Submit and watch distributed PyTorch training jobs on Ray.")
+    app.state.settings = settings
+    app.state.token, _ = ensure_token(settings)
+    app.state.ledger = sessions
+    app.state.gateway = gateway
+    app.state.metrics = metrics
+    app.state.reconciler = reconciler
+    app.state.capacity = _capacity_probe(gateway)
+    for router in (jobs.router, cluster.router, health.router):
+        app.include_router(router)
+
+    @app.middleware("http")
+    async def time_requests(request: Request, call_next):
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        metrics.request_seconds.labels(request.method, route, str(response.status_code)).observe(
+            time.perf_counter() - started)
+        return response
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    _error_handlers(app)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    def reply(code: int, detail, message: str | None = None) -> JSONResponse:
+        body = {"detail": detail}
+        if message:
+            body["message"] = message
+        return JSONResponse(jsonable_encoder(body), status_code=code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError):
+        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
+        return reply(422, errors, _validation_message(errors))
+
+    @app.exception_handler(Rejected)
+    async def rejected(_: Request, exc: Rejected):
+        return reply(422, [{"loc": list(exc.loc), "msg": exc.message, "type": "rejected"}],
+                     f"{'.'.join(exc.loc[1:])}: {exc.message}")
+
+    @app.exception_handler(IllegalTransition)
+    async def illegal(_: Request, exc: IllegalTransition):
+        return reply(409, str(exc))
+
+    @app.exception_handler(ledger.DuplicateJob)
+    @app.exception_handler(ledger.KeyReused)
+    @app.exception_handler(NotRunning)
+    async def conflict(_: Request, exc: Exception):
+        return reply(409, str(exc))
+
+    @app.exception_handler(ValueError)
+    async def bad_value(_: Request, exc: ValueError):
+        return reply(422, str(exc))
+
+    @app.exception_handler(GatewayError)
+    async def ray_down(_: Request, exc: GatewayError):
+        return reply(503, f"Ray is unavailable: {exc}")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        # Never a traceback in a response: it goes to the log.
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return reply(500, "internal error; see the service log")

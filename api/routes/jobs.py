@@ -1,0 +1,137 @@
+"""/v1/jobs: submit, list, inspect, cancel, logs, metrics, events, checkpoints, faults."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Header, HTTPException, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from api.deps import AuthDep, GatewayDep, LedgerDep, SettingsDep
+from api.schemas import FaultCreate, FaultPublic, JobPublic, JobsPublic, RecordsPublic
+from service import admission, jobs, ledger, rundir
+from service.gateway import GatewayError
+from service.lifecycle import JobState
+from workers import events
+from workers.spec import JobSpec
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[AuthDep])
+
+
+def to_public(job: ledger.Job, settings, gateway) -> JobPublic:
+    info = rundir.summary(rundir.run_dir(settings.runs_dir, job.id))
+    return JobPublic(
+        id=job.id, state=job.state, attempts=info["attempts"], restarts=info["restarts"], resubmits=job.resubmits,
+        steps_recomputed=info["steps_recomputed"], progress=info["progress"], latest_metrics=info["latest_metrics"],
+        latest_checkpoint=info["latest_checkpoint"], result=info["result"], submission_id=job.submission_id,
+        dashboard_url=f"{gateway.dashboard_url}/#/jobs/{job.submission_id}" if job.submission_id else None,
+        error=info.get("error") or ({"message": job.error} if job.error else None),
+        created_at=job.created_at, updated_at=job.updated_at, spec=job.spec_dict,
+    )
+
+
+def _get(sessions, job_id: str) -> ledger.Job:
+    job = ledger.get_job(sessions, job_id=job_id)
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+    return job
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
+def create_job(
+    request: Request, response: Response, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
+    spec: Annotated[JobSpec, Body(description="The job spec; `storage` is chosen by the service.")],
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+) -> JobPublic:
+    """Submit a job. The same Idempotency-Key again returns the same job (200) and never
+    starts a second Ray job."""
+    spec = admission.admit(spec, settings, request.app.state.capacity())
+    body = spec.model_dump(mode="json", exclude={"job_id"} if idempotency_key else set())
+    job, created = jobs.create(sessions, settings, spec, body=body, idempotency_key=idempotency_key)
+    if created:
+        job = jobs.try_submit(sessions, settings, gateway, job)
+    else:
+        response.status_code = status.HTTP_200_OK
+    return to_public(job, settings, gateway)
+
+
+@router.get("", response_model=JobsPublic)
+def list_jobs(
+    sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
+    state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> JobsPublic:
+    """Jobs, newest first."""
+    rows, count = ledger.list_jobs(sessions, state=state, limit=limit, offset=offset)
+    return JobsPublic(data=[to_public(j, settings, gateway) for j in rows], count=count)
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def get_job(job_id: str, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep) -> JobPublic:
+    return to_public(_get(sessions, job_id), settings, gateway)
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(job_id: str, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep) -> JobPublic:
+    """Stop a job. 409 when it has already ended."""
+    job = jobs.cancel(sessions, gateway, _get(sessions, job_id))
+    return to_public(job, settings, gateway)
+
+
+@router.get("/{job_id}/logs", response_class=PlainTextResponse)
+async def job_logs(
+    job_id: str, sessions: LedgerDep, gateway: GatewayDep,
+    follow: Annotated[bool, Query(description="Stream new output until the job ends.")] = False,
+):
+    """The Ray job's driver output (workers' output included)."""
+    job = await run_in_threadpool(_get, sessions, job_id)
+    if not job.submission_id:
+        return PlainTextResponse("")
+    if not follow:
+        return PlainTextResponse(await run_in_threadpool(gateway.logs, job.submission_id))
+
+    async def stream():
+        try:
+            async for chunk in gateway.tail_logs(job.submission_id):
+                yield chunk
+        except (GatewayError, asyncio.CancelledError):
+            return
+
+    return StreamingResponse(stream(), media_type="text/plain")
+
+
+@router.get("/{job_id}/metrics", response_model=RecordsPublic)
+def job_metrics(
+    job_id: str, sessions: LedgerDep, settings: SettingsDep,
+    since_step: Annotated[int, Query(ge=0, description="Only steps after this one.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+) -> RecordsPublic:
+    _get(sessions, job_id)
+    rows = rundir.metrics_since(rundir.run_dir(settings.runs_dir, job_id), since_step, limit)
+    return RecordsPublic(data=rows, count=len(rows))
+
+
+@router.get("/{job_id}/events", response_model=RecordsPublic)
+def job_events(job_id: str, sessions: LedgerDep, settings: SettingsDep) -> RecordsPublic:
+    _get(sessions, job_id)
+    rows = events.events(rundir.run_dir(settings.runs_dir, job_id))
+    return RecordsPublic(data=rows, count=len(rows))
+
+
+@router.get("/{job_id}/checkpoints", response_model=RecordsPublic)
+def job_checkpoints(job_id: str, sessions: LedgerDep, settings: SettingsDep) -> RecordsPublic:
+    _get(sessions, job_id)
+    rows = rundir.checkpoints(rundir.run_dir(settings.runs_dir, job_id))
+    return RecordsPublic(data=rows, count=len(rows))
+
+
+@router.post("/{job_id}/faults", status_code=status.HTTP_202_ACCEPTED, response_model=FaultPublic)
+def inject_fault(
+    job_id: str, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
+    fault: Annotated[FaultCreate, Body()] = FaultCreate(),
+) -> FaultPublic:
+    """Kill one worker of a running job now (by rank, or at random), to see recovery work."""
+    return FaultPublic(**jobs.inject_fault(settings, gateway, _get(sessions, job_id), fault.rank))

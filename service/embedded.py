@@ -1,0 +1,74 @@
+"""A local Ray head for `etrain serve` when no RAY_ADDRESS is given."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+
+class EmbeddedRay:
+    """`ray start --head --block` in its own process group, so stopping the group stops
+    every process the head started (Ray's own `ray stop` would end every Ray on the host)."""
+
+    def __init__(self, *, gcs_port: int, dashboard_port: int, num_cpus: int | None, log_path: str):
+        self.gcs_address = f"127.0.0.1:{gcs_port}"
+        self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
+        ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+        self.cmd = [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
+                    "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+                    "--disable-usage-stats", *(["--num-cpus", str(num_cpus)] if num_cpus else [])]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120) -> None:
+        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
+               # Job entrypoints run with the head's environment: give them this interpreter.
+               "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
+        env.pop("RAY_ADDRESS", None)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        """The head answers once its job agent takes submissions, not when the GCS is up."""
+        from ray.job_submission import JobSubmissionClient
+
+        deadline = time.time() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"Ray head exited with code {self.proc.returncode}; see {self.log_path}")
+            try:
+                JobSubmissionClient(self.dashboard_url).submit_job(entrypoint="true")
+                return
+            except Exception:
+                if time.time() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"Ray head not ready after {timeout:.0f}s; see {self.log_path}") from None
+                time.sleep(1)
+
+    def stop(self, grace_s: float = 10) -> None:
+        if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.time() + wait
+            while time.time() < deadline and _group_alive(self.proc.pid):
+                self.proc.poll()
+                time.sleep(0.2)
+            if not _group_alive(self.proc.pid):
+                return
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False

@@ -1,0 +1,164 @@
+"""Everything the service asks of Ray: the Jobs SDK for submit/status/logs/stop, the
+state API for the cluster, and a Ray task to kill a worker process on its node."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Any, AsyncIterator, Protocol
+
+from service.settings import Settings
+
+
+class GatewayError(RuntimeError):
+    """Ray could not be reached or refused the request."""
+
+
+class Gateway(Protocol):
+    dashboard_url: str
+
+    def submit(self, *, submission_id: str, spec_path: str, job_id: str) -> None: ...
+    def status(self, submission_id: str) -> str | None: ...
+    def logs(self, submission_id: str) -> str: ...
+    def tail_logs(self, submission_id: str) -> AsyncIterator[str]: ...
+    def stop(self, submission_id: str) -> None: ...
+    def kill_process(self, *, pid: int, node_id: str | None) -> None: ...
+    def cluster(self) -> dict[str, Any]: ...
+    def ping(self) -> None: ...
+
+
+class RayGateway:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.dashboard_url = settings.dashboard_url.rstrip("/")
+        self.python = settings.python or os.sys.executable
+        self._client = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            from ray.job_submission import JobSubmissionClient
+
+            try:
+                self._client = JobSubmissionClient(self.dashboard_url)
+            except Exception as e:
+                raise GatewayError(f"Ray Jobs API at {self.dashboard_url} unreachable: {e}") from e
+        return self._client
+
+    def connect(self) -> None:
+        """Connect this process to Ray as a driver, for tasks and cluster resources.
+
+        Call it from the main thread before installing signal handlers: ray.init installs
+        a native SIGTERM handler that would otherwise end the process before cleanup."""
+        self._driver()
+
+    def _driver(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.settings.ray_address or "auto", namespace="etrain-service",
+                     log_to_driver=False, include_dashboard=False)
+
+    def submit(self, *, submission_id: str, spec_path: str, job_id: str) -> None:
+        # The very command a user would pass to `ray job submit`.
+        entrypoint = f"{shlex.quote(self.python)} -m workers.run {shlex.quote(spec_path)}"
+        try:
+            self.client.submit_job(entrypoint=entrypoint, submission_id=submission_id,
+                                   metadata={"etrain_job_id": job_id})
+        except RuntimeError as e:
+            if "already exists" in str(e):  # resubmitting the same id is how we stay idempotent
+                return
+            raise GatewayError(f"Ray refused job {job_id}: {e}") from e
+        except Exception as e:
+            raise GatewayError(f"Ray refused job {job_id}: {e}") from e
+
+    def status(self, submission_id: str) -> str | None:
+        try:
+            return str(self.client.get_job_status(submission_id).value)
+        except RuntimeError as e:
+            if "does not exist" in str(e) or "404" in str(e):
+                return None
+            raise GatewayError(str(e)) from e
+
+    def driver_pid(self, submission_id: str) -> int | None:
+        info = self.client.get_job_info(submission_id)
+        return getattr(getattr(info, "driver_info", None), "pid", None) and int(info.driver_info.pid)
+
+    def logs(self, submission_id: str) -> str:
+        try:
+            return self.client.get_job_logs(submission_id)
+        except Exception as e:
+            raise GatewayError(str(e)) from e
+
+    async def tail_logs(self, submission_id: str) -> AsyncIterator[str]:
+        async for chunk in self.client.tail_job_logs(submission_id):
+            yield chunk
+
+    def stop(self, submission_id: str) -> None:
+        try:
+            self.client.stop_job(submission_id)
+        except Exception as e:
+            raise GatewayError(str(e)) from e
+
+    def kill_process(self, *, pid: int, node_id: str | None) -> None:
+        """SIGKILL a worker process, from a Ray task placed on the worker's node."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self._driver()
+        strategy = NodeAffinitySchedulingStrategy(node_id, soft=False) if node_id else "DEFAULT"
+        try:
+            killed = ray.get(_kill.options(scheduling_strategy=strategy).remote(pid), timeout=60)
+        except Exception as e:
+            raise GatewayError(f"could not reach the worker's node through Ray: {e}") from e
+        if not killed:
+            raise ProcessLookupError(pid)
+
+    def cluster(self) -> dict[str, Any]:
+        import ray
+
+        self._driver()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        total, free = ray.cluster_resources(), ray.available_resources()
+        return {
+            "nodes": len(nodes),
+            "cpus": {"total": total.get("CPU", 0), "free": free.get("CPU", 0)},
+            "gpus": {"total": total.get("GPU", 0), "free": free.get("GPU", 0)},
+            "ray_version": ray.__version__,
+            "dashboard_url": self.dashboard_url,
+        }
+
+    def ping(self) -> None:
+        try:
+            self.client.get_version()
+        except Exception as e:
+            raise GatewayError(f"Ray Jobs API at {self.dashboard_url} unreachable: {e}") from e
+
+
+def _remote_kill():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def kill(pid: int) -> bool:
+        import signal
+
+        try:
+            os.kill(pid, signal.SIGKILL)
+            return True
+        except ProcessLookupError:
+            return False
+
+    return kill
+
+
+class _LazyKill:
+    # Defined lazily: importing the service must not import ray.
+    _fn = None
+
+    def options(self, **kw):
+        if self._fn is None:
+            self._fn = _remote_kill()
+        return self._fn.options(**kw)
+
+
+_kill = _LazyKill()

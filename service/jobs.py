@@ -1,0 +1,107 @@
+"""Job operations shared by the API and the reconciler: create, submit, cancel, fault."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from service import ledger, rundir
+from service.gateway import Gateway, GatewayError
+from service.lifecycle import IllegalTransition, JobState
+from service.settings import Settings
+from workers.spec import JobSpec
+
+
+class NotRunning(ValueError):
+    """The job has no live worker to act on."""
+
+
+def request_hash(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def spec_path(settings: Settings, job_id: str) -> str:
+    return os.path.join(rundir.run_dir(settings.runs_dir, job_id), "spec.json")
+
+
+def write_spec(settings: Settings, spec: JobSpec) -> str:
+    """spec.json is immutable: written once, atomically, before the first submission."""
+    path = spec_path(settings, spec.job_id)
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(spec.model_dump_json(indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def create(sessions: sessionmaker[Session], settings: Settings, spec: JobSpec, *, body: dict[str, Any],
+           idempotency_key: str | None) -> tuple[ledger.Job, bool]:
+    return ledger.create_job(sessions, job_id=spec.job_id, spec=spec.model_dump(mode="json"),
+                             request_hash=request_hash(body), idempotency_key=idempotency_key)
+
+
+def submit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, job: ledger.Job,
+           *, resubmit: bool = False) -> ledger.Job:
+    """Hand a job to Ray. The submission id is recorded before Ray is asked, and Ray
+    refuses a second job with the same id, so a crash at any point never starts two."""
+    spec = JobSpec.model_validate(job.spec_dict)
+    path = write_spec(settings, spec)
+    if resubmit or not job.submission_id:
+        n = job.submissions + 1
+        extra = {"resubmits": job.resubmits + 1, "resubmitted_at": time.time()} if resubmit else {}
+        job = ledger.update_job(sessions, job_id=job.id, submission_id=f"etrain-{job.id}-{n}", submissions=n, **extra)
+    gateway.submit(submission_id=job.submission_id, spec_path=path, job_id=job.id)
+    target = JobState.RECOVERING if resubmit else JobState.SUBMITTED
+    return ledger.update_job(sessions, job_id=job.id, state=target)
+
+
+def try_submit(sessions, settings, gateway, job: ledger.Job) -> ledger.Job:
+    """Submit now if Ray takes it; otherwise the job stays QUEUED for the reconciler."""
+    try:
+        return submit(sessions, settings, gateway, job)
+    except (GatewayError, IllegalTransition):
+        return ledger.get_job(sessions, job_id=job.id)
+
+
+def cancel(sessions: sessionmaker[Session], gateway: Gateway, job: ledger.Job) -> ledger.Job:
+    state = JobState(job.state)
+    if state in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+        raise IllegalTransition(state, JobState.CANCELLED)
+    if state == JobState.QUEUED and not job.submission_id:
+        return ledger.update_job(sessions, job_id=job.id, state=JobState.CANCELLED, cancel_requested=True)
+    job = ledger.update_job(sessions, job_id=job.id, cancel_requested=True)
+    try:
+        gateway.stop(job.submission_id)
+    except GatewayError:
+        pass  # the reconciler stops it again until Ray confirms
+    return job
+
+
+def inject_fault(settings: Settings, gateway: Gateway, job: ledger.Job, rank: int | None) -> dict[str, Any]:
+    """SIGKILL one worker of a running job, through Ray on the worker's node."""
+    if JobState(job.state) not in (JobState.RUNNING, JobState.RECOVERING):
+        raise NotRunning(f"job {job.id} is {job.state}; faults need a RUNNING job")
+    workers = job.spec_dict["workers"]
+    if rank is None:
+        rank = random.randrange(workers)
+    if not 0 <= rank < workers:
+        raise ValueError(f"rank {rank} does not exist: job {job.id} has ranks 0..{workers - 1}")
+    where = rundir.worker_pid(rundir.run_dir(settings.runs_dir, job.id), rank)
+    if where is None:
+        raise NotRunning(f"job {job.id} has no worker of rank {rank} running yet")
+    try:
+        gateway.kill_process(pid=where["pid"], node_id=where.get("node_id"))
+    except ProcessLookupError as e:
+        raise NotRunning(f"worker {rank} of job {job.id} is not running (restarting?)") from e
+    return {"job_id": job.id, "rank": rank, "pid": where["pid"], "node_id": where.get("node_id")}

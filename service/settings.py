@@ -1,0 +1,78 @@
+"""Service settings from ETRAIN_* environment variables (and CLI flags, which set them)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_data_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(cache) / "elastic-train"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ETRAIN_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=_default_data_dir, description="Ledger, token and run directories.")
+    host: str = Field("127.0.0.1", description="Address the API binds to.")
+    port: int = Field(8000, ge=0, le=65535)
+    token: str | None = Field(None, description="Bearer token for /v1; generated into <data_dir>/token if unset.")
+    database_url: str | None = Field(
+        None, validation_alias=AliasChoices("ETRAIN_DATABASE_URL", "DATABASE_URL"),
+        description="SQLAlchemy URL; SQLite in the data directory when unset.",
+    )
+    ray_address: str | None = Field(
+        None, validation_alias=AliasChoices("ETRAIN_RAY_ADDRESS", "RAY_ADDRESS"),
+        description="An existing Ray cluster (host:port of its GCS); else `serve` starts one.",
+    )
+    dashboard_url: str = Field("http://127.0.0.1:8265", description="Ray dashboard / Jobs API.")
+    storage: str | None = Field(None, description="Root of run directories; <data_dir>/runs when unset.")
+    ray_num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded Ray head.")
+    reconcile_interval_s: float = Field(1.0, gt=0, le=3600)
+    max_resubmits: int = Field(3, ge=0, le=100, description="Resubmissions of a job whose Ray driver died.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
+    python: str | None = Field(None, description="Interpreter for job entrypoints; this one when unset.")
+    dataset_roots: list[Path] = Field(
+        default_factory=list, description="Directories jobs may read dataset files from; <data_dir>/datasets always."
+    )
+    allow_custom_models: bool = Field(False, description="Accept model.name=custom (runs code named by the request).")
+
+    @property
+    def runs_dir(self) -> str:
+        return self.storage or str(self.data_dir / "runs")
+
+    @property
+    def allowed_data_roots(self) -> list[str]:
+        return [os.path.realpath(p) for p in [self.data_dir / "datasets", *self.dataset_roots]]
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'ledger.db'}"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
+
+
+def ensure_token(settings: Settings) -> tuple[str, bool]:
+    """The API token: from settings, else read or generated once into <data_dir>/token (0600).
+    Returns (token, created)."""
+    if settings.token:
+        return settings.token, False
+    path = settings.data_dir / "token"
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        return path.read_text().strip(), False
+    import secrets
+
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, True
