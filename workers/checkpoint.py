@@ -141,9 +141,12 @@ def latest(run_dir: str) -> tuple[int, str] | None:
 
 
 def prune(run_dir: str, keep: int) -> list[int]:
-    """Delete committed checkpoints beyond the newest `keep`, and stale temporaries."""
+    """Delete sealed checkpoints beyond the newest `keep`. Directories without a manifest
+    do not count as kept ones, so a damaged one never costs a sound one."""
+    sealed = [s for s in committed_steps(run_dir)
+              if read_manifest(os.path.join(root(run_dir), step_name(s)), verify=False) is not None]
     removed = []
-    for step in committed_steps(run_dir)[keep:]:
+    for step in sealed[keep:]:
         shutil.rmtree(os.path.join(root(run_dir), step_name(step)), ignore_errors=True)
         removed.append(step)
     return removed

@@ -18,8 +18,11 @@ METRICS = "metrics.jsonl"
 
 def append(path: str, record: dict[str, Any], *, durable: bool = False) -> None:
     line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line  # a writer was killed mid-line: do not glue this record to it
         os.write(fd, line)
         if durable:
             os.fsync(fd)

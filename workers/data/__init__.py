@@ -102,10 +102,8 @@ def _torchvision(spec: DatasetSpec, seed: int) -> Splits:
         test = cls(root, train=False, download=spec.download)
     except Exception as e:  # torchvision raises RuntimeError, URLError or OSError here
         where = os.path.join(root, folder)
-        raise DatasetUnavailable(
-            f"dataset {spec.name!r} is not in {where} and could not be downloaded ({type(e).__name__}): "
-            f"put {files} in {where}"
-        ) from e
+        how = f"could not be downloaded ({type(e).__name__})" if spec.download else "download is off"
+        raise DatasetUnavailable(f"dataset {spec.name!r} is not in {where} and {how}: put {files} in {where}") from e
     images = lambda d: torch.as_tensor(d.data)  # noqa: E731
     labels = lambda d: torch.as_tensor(d.targets)  # noqa: E731
     return _tensor_splits(images(train), labels(train), images(test), labels(test), spec, seed)
@@ -139,7 +137,12 @@ def check_available(spec: DatasetSpec) -> str | None:
     when the spec falls back to the synthetic set."""
     missing = []
     if spec.name in ("mnist", "fashion_mnist", "cifar10"):
-        _torchvision(spec, seed=0)  # downloads once here rather than in every worker at once
+        try:
+            _torchvision(spec, seed=0)  # downloads once here rather than in every worker at once
+        except DatasetUnavailable as e:
+            if not spec.fallback_to_synthetic:
+                raise
+            return f"notice: {e}; training on the synthetic dataset instead"
     elif spec.name == "idx":
         missing = [p for p in (spec.images, spec.labels) if not os.path.isfile(p)]
     elif spec.name == "image_folder" and not os.path.isdir(spec.root):

@@ -16,13 +16,23 @@ _DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4",
 
 def read_idx(path: str) -> torch.Tensor:
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (EOFError, gzip.BadGzipFile, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise ValueError(f"{path} cannot be read ({e}); is it truncated?") from e
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _DTYPES:
         raise ValueError(f"{path} is not an IDX file (bad magic number)")
     ndim = data[3]
+    dtype = np.dtype(_DTYPES[data[2]])
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise ValueError(f"{path}: the header is cut short (truncated?)")
     dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    array = np.frombuffer(data, dtype=_DTYPES[data[2]], offset=4 + 4 * ndim)
-    if array.size != int(np.prod(dims)):
-        raise ValueError(f"{path}: header says {dims} but holds {array.size} values (truncated?)")
+    expected = int(np.prod(dims)) * dtype.itemsize
+    if len(data) - header != expected:
+        raise ValueError(f"{path}: header says {dims} ({expected} bytes) but holds {len(data) - header} (truncated?)")
+    array = np.frombuffer(data, dtype=dtype, offset=header)
     return torch.from_numpy(array.reshape(dims).astype(array.dtype.newbyteorder("="), copy=True))

@@ -13,6 +13,8 @@ import torch
 
 class ResumableDistributedSampler:
     def __init__(self, num_samples: int, global_batch: int, *, rank: int, world_size: int, seed: int):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
         if num_samples < global_batch:

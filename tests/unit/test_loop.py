@@ -1,0 +1,101 @@
+"""workers/loop.py without Ray: one process, world size 1, no process group."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from workers import checkpoint, events
+from workers.failures import DETERMINISTIC, INFRASTRUCTURE, DeterministicTrainingError
+from workers.faults import InjectedFault
+from workers.loop import WorkerEnv, train, weights_sha256
+from workers.models import build_model
+from workers.spec import JobSpec
+
+
+def job(tmp_path, job_id, size=384, **overrides) -> JobSpec:
+    spec = {
+        "job_id": job_id,
+        "model": "simple_cnn",
+        "dataset": {"name": "synthetic", "size": size, "noise": 2.0},
+        "workers": 1,
+        "training": {"max_steps": 30, "global_batch_size": 32, "seed": 7},
+        "checkpoint": {"every_steps": 10, "keep": 3},
+        "storage": str(tmp_path),
+        **overrides,
+    }
+    spec = JobSpec.model_validate(spec)
+    os.makedirs(spec.run_dir, exist_ok=True)  # workers.run's prepare_run_dir does this before Ray starts
+    return spec
+
+
+def env() -> WorkerEnv:
+    return WorkerEnv(rank=0, world_size=1, local_rank=0)
+
+
+# 384 samples: 345 to train on, 10 steps an epoch, so step 10 ends epoch 0; 512: 14 an epoch,
+# so the checkpoint of step 10 is mid-epoch and the fault (step 17) falls in the next epoch.
+@pytest.mark.parametrize("size", [384, 512], ids=["checkpoint-at-epoch-end", "checkpoint-mid-epoch"])
+def test_resume_after_an_injected_fault_is_exact(tmp_path, size):
+    undisturbed = train(job(tmp_path, "twin", size), env())
+    assert undisturbed["event"] == "finished" and undisturbed["final_step"] == 30
+    digest = undisturbed["weights_sha256"]
+    assert len(digest) == 64
+
+    spec = job(tmp_path, "faulty", size, faults=[{"at_step": 17, "rank": 0, "kind": "exception"}])
+    with pytest.raises(InjectedFault, match="at step 17 on rank 0"):
+        train(spec, env())
+    assert checkpoint.latest(spec.run_dir)[0] == 10
+    assert max(m["step"] for m in events.metrics(spec.run_dir)) == 16
+    (failed,) = events.events(spec.run_dir, "worker_failed")
+    assert failed["classification"] == INFRASTRUCTURE and failed["step"] == 17
+    assert len(events.events(spec.run_dir, "fault_injected")) == 1
+
+    resumed_run = train(spec, env())  # the next attempt, same run directory
+    assert resumed_run["final_step"] == 30
+    assert resumed_run["weights_sha256"] == digest
+
+    (resumed,) = events.events(spec.run_dir, "resumed")
+    assert resumed["from_step"] == 10
+    assert resumed["reached_step"] == 16
+    assert resumed["lost_steps"] == 6
+    assert resumed["failed_rank"] == 0
+    assert resumed["attempt"] == 2
+    assert len(events.events(spec.run_dir, "fault_injected")) == 1  # fired once, not again on replay
+    assert [e["attempt"] for e in events.events(spec.run_dir, "attempt_started")] == [1, 2]
+    assert [e["from_step"] for e in events.events(spec.run_dir, "attempt_started")] == [0, 10]
+    # Steps 11..16 were run twice, 17..30 once after the fault.
+    steps = [m["step"] for m in events.metrics(spec.run_dir)]
+    assert steps == list(range(1, 17)) + list(range(11, 31))
+    assert checkpoint.latest(spec.run_dir)[0] == 30
+
+    # final/model.pt holds the weights the digest describes.
+    state = checkpoint.load_shard(checkpoint.latest(spec.run_dir)[1], "state.pt")
+    assert (state["epoch"], state["batch_index"]) == {384: (2, 10), 512: (2, 2)}[size]
+    model = build_model(spec.model, in_channels=1, num_classes=10, image_size=28)
+    model.load_state_dict(torch.load(os.path.join(spec.run_dir, "final", "model.pt")))
+    assert weights_sha256(model) == digest
+
+
+def test_the_digest_tells_runs_apart(tmp_path):
+    a = train(job(tmp_path, "seed7"), env())
+    b = train(job(tmp_path, "seed8", training={"max_steps": 30, "global_batch_size": 32, "seed": 8}), env())
+    assert a["weights_sha256"] != b["weights_sha256"]
+
+
+def test_a_model_that_always_fails_is_deterministic(tmp_path):
+    spec = job(tmp_path, "broken", model={"name": "custom", "factory": "tests.helpers.bad_model:build"})
+    with pytest.raises(DeterministicTrainingError) as info:
+        train(spec, env())
+    assert "ValueError: shape bug in Broken.forward" in str(info.value)
+    assert "step 1" in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+    (failed,) = events.events(spec.run_dir, "worker_failed")
+    assert failed["classification"] == DETERMINISTIC
+    assert failed["rank"] == 0 and failed["step"] == 1
+    assert "Traceback (most recent call last)" in failed["traceback"]
+    assert "in forward" in failed["traceback"]
+    assert "ValueError: shape bug in Broken.forward" in failed["traceback"]
+    assert events.events(spec.run_dir, "finished") == []

@@ -1,0 +1,236 @@
+"""workers/spec.py: the one definition of a training job."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from workers.spec import (
+    DATASETS,
+    MODELS,
+    OPTIMIZERS,
+    JobSpec,
+    absolute_paths,
+    default_storage,
+    load_spec,
+)
+
+
+def test_one_line_spec_is_valid_with_defaults():
+    spec = JobSpec.model_validate({"model": "simple_cnn"})
+    assert spec.model.name == "simple_cnn"
+    assert spec.model.factory is None
+    assert spec.dataset.name == "synthetic"
+    assert spec.strategy == "ddp"
+    assert spec.workers == 2
+    assert spec.training.epochs == 1 and spec.training.max_steps is None
+    assert spec.training.global_batch_size == 64
+    assert spec.training.optimizer == "adam"
+    assert spec.checkpoint.every_steps == 50 and spec.checkpoint.keep == 3
+    assert spec.faults == []
+    assert re.fullmatch(r"job-[0-9a-f]{12}", spec.job_id)
+    assert spec.run_dir == os.path.join(spec.storage, spec.job_id)
+
+
+def test_each_spec_gets_its_own_job_id():
+    assert JobSpec.model_validate({}).job_id != JobSpec.model_validate({}).job_id
+
+
+def test_max_steps_does_not_get_default_epochs():
+    spec = JobSpec.model_validate({"training": {"max_steps": 7}})
+    assert spec.training.max_steps == 7 and spec.training.epochs is None
+
+
+def test_default_storage_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("ETRAIN_STORAGE", str(tmp_path / "custom"))
+    assert default_storage() == str(tmp_path / "custom")
+    assert JobSpec.model_validate({}).storage == str(tmp_path / "custom")
+    monkeypatch.delenv("ETRAIN_STORAGE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_storage() == os.path.join(str(tmp_path / "cache"), "elastic-train", "runs")
+
+
+def test_string_shorthand_for_model_and_dataset():
+    short = JobSpec.model_validate({"model": "resnet18", "dataset": "mnist", "job_id": "j"})
+    long = JobSpec.model_validate({"model": {"name": "resnet18"}, "dataset": {"name": "mnist"}, "job_id": "j"})
+    assert short.model.name == "resnet18"
+    assert short.dataset.name == "mnist"
+    assert short.model_dump(exclude={"storage"}) == long.model_dump(exclude={"storage"})
+
+
+@pytest.mark.parametrize(
+    "data, loc, allowed",
+    [
+        ({"model": "transformer"}, ("model", "name"), MODELS),
+        ({"model": {"name": "transformer"}}, ("model", "name"), MODELS),
+        ({"dataset": "imagenet"}, ("dataset", "name"), DATASETS),
+        ({"training": {"optimizer": "rmsprop"}}, ("training", "optimizer"), OPTIMIZERS),
+    ],
+    ids=["model-shorthand", "model", "dataset", "optimizer"],
+)
+def test_unknown_names_list_the_allowed_values(data, loc, allowed):
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(data)
+    errors = info.value.errors()
+    assert [e["loc"] for e in errors] == [loc]
+    message = str(info.value)
+    assert ".".join(loc) in message
+    for value in allowed:
+        assert repr(value) in message, f"{value!r} missing from: {message}"
+
+
+@pytest.mark.parametrize(
+    "data, loc",
+    [
+        ({"modle": "simple_cnn"}, ("modle",)),
+        ({"training": {"max_step": 100}}, ("training", "max_step")),
+        ({"checkpoint": {"every": 10}}, ("checkpoint", "every")),
+        ({"dataset": {"name": "synthetic", "sise": 100}}, ("dataset", "sise")),
+        ({"faults": [{"at_step": 3, "kind": "crash", "rnak": 0}]}, ("faults", 0, "rnak")),
+    ],
+)
+def test_extra_or_misspelled_keys_are_rejected(data, loc):
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(data)
+    errors = info.value.errors()
+    assert [(e["loc"], e["type"]) for e in errors] == [(loc, "extra_forbidden")]
+
+
+def test_global_batch_not_divisible_by_workers_is_rejected():
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({"workers": 3, "training": {"global_batch_size": 64}})
+    message = str(info.value)
+    assert "global_batch_size (64)" in message
+    assert "divisible by workers (3)" in message
+
+
+def test_global_batch_divisible_by_workers_is_accepted():
+    spec = JobSpec.model_validate({"workers": 4, "training": {"global_batch_size": 64}})
+    assert spec.workers == 4
+
+
+def test_fault_rank_must_exist():
+    with pytest.raises(ValidationError, match=r"rank 2 does not exist with 2 workers"):
+        JobSpec.model_validate({"workers": 2, "faults": [{"at_step": 5, "rank": 2, "kind": "crash"}]})
+    ok = JobSpec.model_validate({"workers": 2, "faults": [{"at_step": 5, "rank": 1, "kind": "crash"}]})
+    assert ok.faults[0].rank == 1 and ok.faults[0].phase == "step"
+
+
+def test_checkpoint_phase_fault_must_be_on_a_checkpoint_step():
+    base = {"checkpoint": {"every_steps": 10}}
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({**base, "faults": [{"at_step": 25, "kind": "crash", "phase": "checkpoint"}]})
+    assert "at_step 25 is not a checkpoint step" in str(info.value)
+    assert "every_steps is 10" in str(info.value)
+    on_step = JobSpec.model_validate({**base, "faults": [{"at_step": 20, "kind": "crash", "phase": "checkpoint"}]})
+    assert on_step.faults[0].at_step == 20
+    # The same step in the ordinary phase is fine.
+    JobSpec.model_validate({**base, "faults": [{"at_step": 25, "kind": "crash"}]})
+
+
+def test_unknown_fault_kind_is_rejected():
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({"faults": [{"at_step": 3, "kind": "explode"}]})
+    assert info.value.errors()[0]["loc"] == ("faults", 0, "kind")
+    assert "'crash', 'exception' or 'hang'" in str(info.value)
+
+
+def test_custom_model_needs_a_factory():
+    with pytest.raises(ValidationError, match=r"model.factory .* is required"):
+        JobSpec.model_validate({"model": "custom"})
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({"model": {"name": "custom", "factory": "no colon here"}})
+    assert info.value.errors()[0]["loc"] == ("model", "factory")
+    spec = JobSpec.model_validate({"model": {"name": "custom", "factory": "pkg.mod:build"}})
+    assert spec.model.factory == "pkg.mod:build"
+
+
+def test_idx_dataset_needs_both_files():
+    with pytest.raises(ValidationError, match="dataset.images and dataset.labels are required"):
+        JobSpec.model_validate({"dataset": {"name": "idx", "images": "a.gz"}})
+
+
+def test_bad_job_id_is_rejected():
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({"job_id": "../escape"})
+    assert info.value.errors()[0]["loc"] == ("job_id",)
+
+
+def test_load_spec_reads_yaml(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text("model: mlp\nworkers: 4\ntraining: {max_steps: 12, global_batch_size: 32}\n")
+    spec = load_spec(path)
+    assert spec.model.name == "mlp"
+    assert spec.workers == 4
+    assert spec.training.max_steps == 12 and spec.training.global_batch_size == 32
+
+
+def test_load_spec_reads_the_one_line_example():
+    example = Path(__file__).resolve().parents[2] / "examples" / "minimal.yaml"
+    spec = load_spec(example)
+    assert spec.model.name == "simple_cnn"
+    assert spec.workers == 2
+
+
+def test_load_spec_reads_json(tmp_path):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({"model": "resnet18", "dataset": "cifar10", "job_id": "from-json"}))
+    spec = load_spec(str(path))
+    assert (spec.model.name, spec.dataset.name, spec.job_id) == ("resnet18", "cifar10", "from-json")
+
+
+@pytest.mark.parametrize(
+    "name, text, kind",
+    [("list.yaml", "- model\n- simple_cnn\n", "list"), ("scalar.yaml", "simple_cnn\n", "str"),
+     ("empty.yaml", "", "NoneType"), ("list.json", "[1, 2]", "list")],
+)
+def test_load_spec_rejects_a_non_mapping(tmp_path, name, text, kind):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"a spec is a mapping of fields, got {kind}") as info:
+        load_spec(path)
+    assert not isinstance(info.value, ValidationError)
+    assert str(path) in str(info.value)
+
+
+def test_load_spec_validates_contents(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: simple_cnn\ntraining: {optimiser: sgd}\n")
+    with pytest.raises(ValidationError) as info:
+        load_spec(path)
+    assert info.value.errors()[0]["loc"] == ("training", "optimiser")
+
+
+def test_absolute_paths_resolves_relative_paths_against_base(tmp_path):
+    spec = JobSpec.model_validate({
+        "storage": "runs",
+        "dataset": {"name": "idx", "images": "data/images.gz", "labels": "../labels.gz"},
+    })
+    base = tmp_path / "project"
+    fixed = absolute_paths(spec, base)
+    assert fixed.storage == str(base / "runs")
+    assert fixed.dataset.images == str(base / "data" / "images.gz")
+    assert fixed.dataset.labels == str(tmp_path / "labels.gz")
+    assert fixed.dataset.root is None  # absent paths stay absent
+    assert fixed.run_dir == os.path.join(str(base / "runs"), spec.job_id)
+    # The original is left as it was.
+    assert spec.storage == "runs" and spec.dataset.images == "data/images.gz"
+
+
+def test_absolute_paths_keeps_absolute_paths_and_expands_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    spec = JobSpec.model_validate({"storage": str(tmp_path / "abs"), "dataset": {"name": "mnist", "root": "~/data"}})
+    fixed = absolute_paths(spec, tmp_path / "elsewhere")
+    assert fixed.storage == str(tmp_path / "abs")
+    assert fixed.dataset.root == str(tmp_path / "home" / "data")
+
+
+def test_absolute_paths_defaults_to_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fixed = absolute_paths(JobSpec.model_validate({"storage": "here"}))
+    assert fixed.storage == str(tmp_path.resolve() / "here")
