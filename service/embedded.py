@@ -20,7 +20,9 @@ class EmbeddedRay:
         ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
         self.cmd = [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
                     "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
-                    "--disable-usage-stats", *(["--num-cpus", str(num_cpus)] if num_cpus else [])]
+                    "--disable-usage-stats", *(["--num-cpus", str(num_cpus)] if num_cpus else []),
+                    # Its default port (52365) is taken when another Ray runs on this machine.
+                    "--dashboard-agent-listen-port", str(_free_port())]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
@@ -64,6 +66,14 @@ class EmbeddedRay:
                 time.sleep(0.2)
             if not _group_alive(self.proc.pid):
                 return
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _group_alive(pgid: int) -> bool:

@@ -64,7 +64,9 @@ def ray_cluster(tmp_path_factory):
     env.pop("RAY_ADDRESS", None)
     ray = shutil.which("ray", path=env["PATH"])
     start = [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "8",
-             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--disable-usage-stats"]
+             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--disable-usage-stats",
+             # Its default port (52365) is taken when another Ray runs on this machine.
+             "--dashboard-agent-listen-port", str(free_port())]
     subprocess.run(start, env=env, check=True, capture_output=True, cwd=ROOT, timeout=120)
     try:
         _wait_for_job_agent(f"http://127.0.0.1:{dash}")

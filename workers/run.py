@@ -112,7 +112,8 @@ def _ray_init(spec: JobSpec) -> None:
     # A local cluster sized to the job: logical CPUs may exceed cores since each worker
     # runs with a fixed thread count (resources.cpu).
     need = int(spec.workers * spec.resources.cpu) + 1
-    ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=True)
+    # address="local": a new cluster even where `ray start` left one recorded in /tmp/ray.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=True)
 
 
 def run(spec: JobSpec) -> dict[str, Any]:

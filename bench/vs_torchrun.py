@@ -1,0 +1,439 @@
+"""elastic-train (Ray Train) against plain torchrun: same model, data, workers and loop.
+
+    python bench/vs_torchrun.py [--steps 300] [--dataset-size 8192] ...   (or ./run bench)
+
+Four jobs, each in its own run directory under a temporary storage root:
+
+  ray       python -m workers.run SPEC            (a local Ray, started by workers.run)
+  torchrun  torchrun ... bench/torchrun_worker.py (DDP on gloo, rendezvous on 127.0.0.1)
+
+each once undisturbed and once with rank 1 SIGKILLed at --crash-step (torchrun with
+--max-restarts 1). Both run workers.loop.train, so both write the same metrics.jsonl
+and events.jsonl; everything below is read from those files.
+
+Reported: steady-state samples/s (attempt 1, after --warmup steps; median of the per-step
+rate, and the rate over the summed step time and over the wall-clock span), their ratio,
+recovery seconds after the crash (failure -> next completed step, from the `resumed`
+event, split into failure -> group restarted -> first step), steps recomputed, and
+whether each recovered run ends with the same weights as its undisturbed twin.
+
+Timings are reported, never asserted: on a busy machine they are noisy. The exit code is
+1 only when a run fails or a recovered run's weights differ from its undisturbed twin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from workers import events  # noqa: E402  (light: no torch, no ray)
+from workers.run import prepare_run_dir, summarize  # noqa: E402
+from workers.spec import JobSpec, absolute_paths  # noqa: E402
+
+WORKER = os.path.join(ROOT, "bench", "torchrun_worker.py")
+RESULTS = os.path.join(ROOT, "bench", "results", "vs_torchrun.txt")
+SYSTEMS = ("ray", "torchrun")
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- specs
+
+
+def job_spec(args: argparse.Namespace, job_id: str, storage: str, crash: bool) -> JobSpec:
+    faults = [{"at_step": args.crash_step, "rank": 1, "kind": "crash"}] if crash else []
+    return absolute_paths(JobSpec.model_validate({
+        "job_id": job_id,
+        "model": "simple_cnn",
+        "dataset": {"name": "synthetic", "size": args.dataset_size},
+        "workers": args.workers,
+        "resources": {"cpu": args.cpu},
+        "training": {"max_steps": args.steps, "global_batch_size": args.batch, "seed": args.seed},
+        "checkpoint": {"every_steps": args.checkpoint_every, "keep": 3},
+        "failure": {"max_failures": 3, "collective_timeout_s": args.collective_timeout},
+        "faults": faults,
+        "storage": storage,
+    }))
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Run:
+    system: str
+    crash: bool
+    spec: JobSpec
+    log_path: str
+    rc: int | None = None
+    wall_s: float = 0.0
+    timed_out: bool = False
+    summary: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.system}-{'crash' if self.crash else 'clean'}"
+
+    @property
+    def run_dir(self) -> str:
+        return self.spec.run_dir
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0 and bool(self.summary) and self.summary.get("status") == "succeeded"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the process group this bench started for one run (its own session), nothing else."""
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log_path: str, timeout: float, echo: bool) -> tuple[int, float, bool]:
+    """Run `cmd` in its own session, output to `log_path` (and stdout with echo)."""
+    started = time.monotonic()
+    timed_out = threading.Event()
+    with open(log_path, "w") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", start_new_session=True)
+
+        def expire() -> None:
+            timed_out.set()
+            _kill_group(proc)
+
+        timer = threading.Timer(timeout, expire)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                if echo:
+                    sys.stdout.write("    " + line)
+                    sys.stdout.flush()
+            rc = proc.wait()
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            timer.cancel()
+    return rc, time.monotonic() - started, timed_out.is_set()
+
+
+def last_summary(log_path: str) -> dict[str, Any] | None:
+    with open(log_path, errors="replace") as f:
+        for line in reversed(f.read().splitlines()):
+            if line.startswith("{") and '"job_id"' in line:
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    return None
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ray(run: Run, workdir: str, args: argparse.Namespace) -> None:
+    spec_path = os.path.join(workdir, "specs", f"{run.spec.job_id}.json")
+    with open(spec_path, "w") as f:
+        f.write(run.spec.model_dump_json(indent=1))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": ROOT}
+    # A fresh local Ray for every job, never someone else's cluster: without an address,
+    # ray.init() joins the cluster a `ray start` recorded in $RAY_TMPDIR/ray/ray_current_cluster,
+    # so give the job a temp dir of its own (short: Ray's socket paths must fit 107 bytes).
+    env.pop("RAY_ADDRESS", None)
+    ray_tmp = tempfile.mkdtemp(prefix="etb-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    env["RAY_TMPDIR"] = ray_tmp
+    cmd = [sys.executable, "-m", "workers.run", spec_path]
+    run.rc, run.wall_s, run.timed_out = run_logged(cmd, env, run.log_path, args.timeout, args.verbose)
+    run.summary = last_summary(run.log_path)
+    if args.keep or not run.ok:
+        run.notes.append(f"Ray logs in {ray_tmp}")
+    else:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def run_torchrun(run: Run, workdir: str, args: argparse.Namespace) -> None:
+    spec = run.spec
+    spec_path = os.path.join(workdir, "specs", f"{spec.job_id}.json")
+    with open(spec_path, "w") as f:
+        f.write(spec.model_dump_json(indent=1))
+    prepare_run_dir(spec)  # what workers.run does before it starts Ray
+    events.emit(spec.run_dir, "job_started", pid=os.getpid(), launcher="torchrun")
+    port = free_port()
+    threads = str(max(1, int(spec.resources.cpu)))
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": threads,
+           # gloo picks its interface from the hostname unless told; keep it on loopback.
+           "GLOO_SOCKET_IFNAME": "lo",
+           # By default the agent shares its rendezvous TCPStore with the workers and keeps it
+           # across restarts without a per-attempt key prefix: the restarted group then reads
+           # the dead group's gloo addresses and init_process_group ends in "connectFullMesh
+           # failed ... Connect timeout" (pytorch/pytorch#135712). A store per attempt avoids it.
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run",  # the `torchrun` console script
+           "--nnodes", "1", "--nproc-per-node", str(spec.workers),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", spec.job_id,
+           "--local-addr", "127.0.0.1", "--max-restarts", str(1 if run.crash else 0),
+           WORKER, spec_path]
+    run.rc, run.wall_s, run.timed_out = run_logged(cmd, env, run.log_path, args.timeout, args.verbose)
+    error = None if run.rc == 0 else f"torchrun exited with {run.rc}" + (" (timed out)" if run.timed_out else "")
+    run.summary = summarize(spec, run.wall_s, error)
+    masters = []
+    with open(run.log_path, errors="replace") as f:
+        for line in f:
+            if "[bench-worker] rank 0: master " in line:
+                masters.append(line.split("master ", 1)[1].split(" ", 1)[0])
+    if masters:
+        run.notes.append("torchrun master " + ", ".join(dict.fromkeys(masters)))
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+def throughput(run: Run, warmup: int, batch: int) -> dict[str, float] | None:
+    """Steady state of attempt 1, after the warm-up steps."""
+    ms = [m for m in events.metrics(run.run_dir) if m.get("attempt") == 1 and m.get("step", 0) > warmup]
+    if len(ms) < 2:
+        return None
+    ms.sort(key=lambda m: m["step"])
+    span = ms[-1]["time"] - ms[0]["time"]
+    return {
+        "median": statistics.median(m["samples_per_s"] for m in ms),
+        "step_time": len(ms) * batch / sum(m["step_s"] for m in ms),
+        # Between the first and last logged step: includes checkpoints and logging too.
+        "wall": (len(ms) - 1) * batch / span if span > 0 else float("nan"),
+        "steps": len(ms),
+        "first": ms[0]["step"],
+        "last": ms[-1]["step"],
+    }
+
+
+def startup_s(run: Run) -> float | None:
+    """Job started (before Ray or torchrun is launched) -> first completed step."""
+    started = next(iter(events.events(run.run_dir, "job_started")), None)
+    first = min((m["time"] for m in events.metrics(run.run_dir) if m.get("attempt") == 1), default=None)
+    return first - started["time"] if started and first is not None else None
+
+
+def recovery(run: Run) -> dict[str, Any] | None:
+    resumed = events.events(run.run_dir, "resumed")
+    if not resumed:
+        return None
+    r = resumed[0]
+    out = {k: r.get(k) for k in ("recovery_s", "lost_steps", "from_step", "reached_step", "failed_rank", "cause")}
+    fault = next(iter(events.events(run.run_dir, "fault_injected")), None)
+    attempt = next((a for a in events.events(run.run_dir, "attempt_started") if a.get("attempt") == r.get("attempt")), None)
+    if fault and attempt:
+        out["to_restart_s"] = attempt["time"] - fault["time"]  # detection + new worker group + rendezvous
+        out["to_step_s"] = r["time"] - attempt["time"]  # imports, data, checkpoint load, DDP, first step
+    out["restarts"] = len(events.events(run.run_dir, "attempt_started")) - 1
+    return out
+
+
+def digest(run: Run) -> str | None:
+    finished = events.events(run.run_dir, "finished")
+    return finished[-1].get("weights_sha256") if finished else None
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _f(value: Any, fmt: str = "{:.1f}") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and value != value:
+        return "-"
+    return fmt.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b and a == a and b == b:
+        return f"{a / b:.2f}"
+    return "-"
+
+
+def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tuple[list[float], list[float]],
+           versions: dict[str, str]) -> tuple[str, bool]:
+    thr = {s: throughput(runs[(s, False)], args.warmup, args.batch) if (s, False) in runs else None for s in SYSTEMS}
+    rec = {s: recovery(runs[(s, True)]) if (s, True) in runs else None for s in SYSTEMS}
+    sha = {(s, c): digest(r) for (s, c), r in runs.items()}
+    wall = {(s, c): r.wall_s for (s, c), r in runs.items()}
+
+    def row(label: str, ray: Any, tr: Any, fmt: str = "{:.1f}", ratio: bool = True) -> str:
+        return f"{label:<46}{_f(ray, fmt):>12}{_f(tr, fmt):>12}{(_ratio(ray, tr) if ratio else ''):>14}"
+
+    def get(d: dict | None, key: str) -> Any:
+        return d.get(key) if d else None
+
+    steady = thr["ray"] or thr["torchrun"]
+    window = f"steps {steady['first']}-{steady['last']}" if steady else "-"
+    lines = [
+        "elastic-train (Ray Train) vs torchrun: the same loop (workers.loop.train), DDP on gloo, CPU",
+        f"job: simple_cnn, synthetic {args.dataset_size} samples, {args.workers} workers x {args.cpu:g} CPU, "
+        f"global batch {args.batch}, {args.steps} steps, checkpoint every {args.checkpoint_every}, seed {args.seed}",
+        f"fault: rank 1 SIGKILLed at step {args.crash_step} (Ray Train max_failures 3, torchrun --max-restarts 1)",
+        f"host: {platform.node()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + f"; load avg {load[0][0]:.2f} before, {load[1][0]:.2f} after; {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"steady state: attempt 1 of the undisturbed runs, {window} (first {args.warmup} skipped)",
+        "",
+        f"{'':<46}{'ray train':>12}{'torchrun':>12}{'ray/torchrun':>14}",
+        row("steady samples/s, median of steps", get(thr["ray"], "median"), get(thr["torchrun"], "median")),
+        row("steady samples/s, over summed step time", get(thr["ray"], "step_time"), get(thr["torchrun"], "step_time")),
+        row("steady samples/s, wall clock (+ckpt, report)", get(thr["ray"], "wall"), get(thr["torchrun"], "wall")),
+        row("startup: launch -> first step (s)", *(startup_s(runs[(s, False)]) if (s, False) in runs else None
+                                                    for s in SYSTEMS)),
+        row("job wall time, undisturbed (s)", wall.get(("ray", False)), wall.get(("torchrun", False))),
+        row("job wall time, with crash (s)", wall.get(("ray", True)), wall.get(("torchrun", True))),
+        row("recovery_s: failure -> next completed step", get(rec["ray"], "recovery_s"), get(rec["torchrun"], "recovery_s"), "{:.2f}"),
+        row("  failure -> next attempt_started event (s)", get(rec["ray"], "to_restart_s"), get(rec["torchrun"], "to_restart_s"), "{:.2f}"),
+        row("  attempt_started -> first step (s)", get(rec["ray"], "to_step_s"), get(rec["torchrun"], "to_step_s"), "{:.2f}"),
+        row("restarts", get(rec["ray"], "restarts"), get(rec["torchrun"], "restarts"), "{}", ratio=False),
+        row("resumed from step", get(rec["ray"], "from_step"), get(rec["torchrun"], "from_step"), "{}", ratio=False),
+        row("steps recomputed (lost_steps)", get(rec["ray"], "lost_steps"), get(rec["torchrun"], "lost_steps"), "{}", ratio=False),
+        row("failed rank / cause", *(f"{r['failed_rank']}/{r['cause']}" if r else None
+                                     for r in (rec["ray"], rec["torchrun"])), "{}", ratio=False),
+        row("weights_sha256, undisturbed", (sha.get(("ray", False)) or "-")[:10], (sha.get(("torchrun", False)) or "-")[:10], "{}", ratio=False),
+        row("weights_sha256, recovered", (sha.get(("ray", True)) or "-")[:10], (sha.get(("torchrun", True)) or "-")[:10], "{}", ratio=False),
+    ]
+    good = True
+    same = {}
+    for s in SYSTEMS:
+        a, b = sha.get((s, False)), sha.get((s, True))
+        same[s] = "yes" if a and a == b else ("NO" if a and b else "-")
+        if (s, False) in runs and (s, True) in runs:
+            good &= same[s] == "yes"
+    lines.append(row("recovered == undisturbed", same["ray"], same["torchrun"], "{}", ratio=False))
+    a, b = sha.get(("ray", False)), sha.get(("torchrun", False))
+    lines.append(f"ray and torchrun end with the same weights: {'yes' if a and a == b else ('no' if a and b else '-')}")
+    lines.append("")
+    for (s, c), r in sorted(runs.items()):
+        status = "ok" if r.ok else f"FAILED (rc {r.rc}{', timed out' if r.timed_out else ''})"
+        good &= r.ok
+        extra = f"; {'; '.join(r.notes)}" if r.notes else ""
+        lines.append(f"{r.name:<15} {status:<8} sha256 {sha.get((s, c)) or '-'}{extra}")
+    return "\n".join(lines) + "\n", good
+
+
+def write_results(text: str, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python bench/vs_torchrun.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="max_steps of every run")
+    p.add_argument("--dataset-size", type=int, default=8192, help="synthetic samples")
+    p.add_argument("--batch", type=int, default=64, help="global batch size")
+    p.add_argument("--workers", type=int, default=2, help="DDP workers (>= 2: rank 1 is the one killed)")
+    p.add_argument("--cpu", type=float, default=1.0, help="CPUs (threads) per worker")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--crash-step", type=int, default=170, help="step at which rank 1 is SIGKILLed")
+    p.add_argument("--warmup", type=int, default=20, help="steps of attempt 1 left out of the steady state")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--collective-timeout", type=int, default=30, help="collective_timeout_s (both systems)")
+    p.add_argument("--only", choices=SYSTEMS, help="run one system only (None: both)")
+    p.add_argument("--no-crash", action="store_true", help="skip the recovery runs")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before a run is killed")
+    p.add_argument("--workdir", help="storage root for the runs (None: a new temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the run directories (kept anyway when a run fails)")
+    p.add_argument("--out", default=RESULTS, help="where the table is written")
+    p.add_argument("-v", "--verbose", action="store_true", help="echo every run's output")
+    args = p.parse_args(argv)
+    if args.workers < 2:
+        p.error("--workers must be at least 2")
+    if args.batch % args.workers:
+        p.error("--batch must be divisible by --workers")
+    if not 1 <= args.crash_step <= args.steps:
+        p.error("--crash-step must be within 1..--steps")
+    if not 0 <= args.warmup < args.steps - 1:
+        p.error("--warmup must leave at least two steps")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "ray")}
+    workdir = os.path.abspath(args.workdir) if args.workdir else tempfile.mkdtemp(prefix="etrain-bench-")
+    storage = os.path.join(workdir, "runs")
+    for sub in ("runs", "specs", "logs"):
+        os.makedirs(os.path.join(workdir, sub), exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    systems = (args.only,) if args.only else SYSTEMS
+    plan = [(s, False) for s in systems] + ([] if args.no_crash else [(s, True) for s in systems])
+    runs: dict[tuple[str, bool], Run] = {}
+    log(f"work dir {workdir}; {len(plan)} runs: " + ", ".join(f"{s}-{'crash' if c else 'clean'}" for s, c in plan))
+    load_before = list(os.getloadavg())
+    try:
+        for system, crash in plan:
+            job_id = f"bench-{system}-{'crash' if crash else 'clean'}-{tag}"
+            run = Run(system, crash, job_spec(args, job_id, storage, crash),
+                      os.path.join(workdir, "logs", f"{job_id}.log"))
+            runs[(system, crash)] = run
+            log(f"{run.name}: starting ({run.log_path})")
+            (run_ray if system == "ray" else run_torchrun)(run, workdir, args)
+            rec = recovery(run) if crash else None
+            thr = None if crash else throughput(run, args.warmup, args.batch)
+            detail = (f", recovery {rec['recovery_s']:.2f}s, {rec['lost_steps']} steps recomputed" if rec else "") + (
+                f", median {thr['median']:.0f} samples/s" if thr else "")
+            log(f"{run.name}: {'ok' if run.ok else 'FAILED'} in {run.wall_s:.1f}s (rc {run.rc}){detail}")
+            if not run.ok:
+                with open(run.log_path, errors="replace") as f:
+                    tail = f.read()[-4000:]
+                print(tail.rstrip() + "\n", flush=True)
+    except KeyboardInterrupt:
+        log("interrupted; reporting what finished")
+    text, good = report(args, runs, (load_before, list(os.getloadavg())), versions)
+    print("\n" + text, end="", flush=True)
+    write_results(text, args.out)
+    log(f"table written to {os.path.relpath(args.out, os.getcwd())}")
+    if args.keep or not good:
+        log(f"run directories and logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""A real `etrain serve` (uvicorn) against the session's real Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, free_port
+
+TOKEN = "test-token-0123456789"
+
+
+@dataclass
+class Api:
+    url: str
+    data_dir: Path
+    proc: subprocess.Popen
+    env: dict
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def start_api(cluster, data_dir: Path, port: int | None = None) -> Api:
+    port = port or free_port()
+    env = {**cluster.env, "ETRAIN_TOKEN": TOKEN, "ETRAIN_DASHBOARD_URL": cluster.dashboard,
+           "ETRAIN_RECONCILE_INTERVAL_S": "0.3", "ETRAIN_PYTHON": sys.executable}
+    log = open(data_dir / f"api-{port}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir), "--port",
+                             str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    api = Api(f"http://127.0.0.1:{port}", data_dir, proc, env)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert proc.poll() is None, (data_dir / f"api-{port}.log").read_text()[-3000:]
+        try:
+            if httpx.get(f"{api.url}/readyz", timeout=5).status_code == 200:
+                return api
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_api(api)
+    pytest.fail("the API did not become ready")
+
+
+def stop_api(api: Api) -> None:
+    if api.proc.poll() is None:
+        api.proc.send_signal(signal.SIGTERM)
+        try:
+            api.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            api.proc.kill()
+            api.proc.wait()
+
+
+@pytest.fixture
+def api(ray_cluster, tmp_path):
+    a = start_api(ray_cluster, tmp_path)
+    try:
+        yield a
+    finally:
+        stop_api(a)
+
+
+def small_job(job_id: str, steps: int = 40, size: int = 2048) -> dict:
+    return {
+        "job_id": job_id, "model": "simple_cnn", "workers": 2,
+        "dataset": {"name": "synthetic", "size": size, "noise": 2.0},
+        "training": {"max_steps": steps, "global_batch_size": 64, "seed": 3},
+        "checkpoint": {"every_steps": 10},
+        "failure": {"max_failures": 3, "collective_timeout_s": 8},
+    }
+
+
+def wait_for(client: httpx.Client, job_id: str, states: set[str], timeout: float = 240, seen: list | None = None,
+             until=None) -> dict:
+    """Poll a job until its state is in `states` (or `until(job)`), recording every state seen."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if seen is not None and (not seen or seen[-1] != job["state"]):
+            seen.append(job["state"])
+        if job["state"] in states or (until and until(job)):
+            return job
+        time.sleep(0.15)
+    pytest.fail(f"job {job_id} not in {states} after {timeout}s; states seen {seen}, last {job}")
