@@ -35,6 +35,8 @@ def test_http_job_succeeds_shows_in_ray_and_serves_logs(api, ray_cluster):
         assert job["submission_id"] in listed.stdout, listed.stdout[-2000:]
         logs = c.get("/v1/jobs/http-ok/logs").text
         assert '"status": "succeeded"' in logs
+        followed = c.get("/v1/jobs/http-ok/logs", params={"follow": True}).text  # ends with the job
+        assert '"status": "succeeded"' in followed
         assert c.get("/v1/jobs/http-ok/metrics", params={"since_step": 30}).json()["count"] == 10
         assert [r["step"] for r in c.get("/v1/jobs/http-ok/checkpoints").json()["data"]][0] == 40
         cluster = c.get("/v1/cluster").json()
