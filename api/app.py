@@ -38,25 +38,28 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await _too_large(self.max_bytes, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        # Read the whole body before the app sees it: an error raised while the app reads it
+        # itself becomes the app's own answer (FastAPI: 400 "error parsing the body"), not a 413.
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":  # the client left: let the app see that
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                return await _too_large(self.max_bytes, send)
+            if not message.get("more_body", False):
+                break
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await _too_large(self.max_bytes, send)
 
+def _replay(messages: list, receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
 
-class _TooLarge(Exception):
-    pass
+    return replayed
 
 
 async def _too_large(limit: int, send) -> None:

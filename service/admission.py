@@ -29,7 +29,8 @@ def admit(spec: JobSpec, settings: Settings, capacity: dict[str, Any] | None) ->
         path = getattr(spec.dataset, field)
         if path is None:
             continue
-        real = os.path.realpath(path)
+        # A NUL byte makes realpath raise, and no file name can hold one: reject it like any bad path.
+        real = "" if "\x00" in path else os.path.realpath(path)
         if not os.path.isabs(path) or not any(real == r or real.startswith(r + os.sep) for r in roots):
             raise Rejected(("body", "dataset", field),
                            f"dataset.{field} must be an absolute path inside one of: {', '.join(roots)}")

@@ -27,7 +27,9 @@ class EmbeddedRay:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120) -> None:
-        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
+        from workers.run import POLL_ENV, POLL_S
+
+        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"), POLL_ENV: POLL_S,
                # Job entrypoints run with the head's environment: give them this interpreter.
                "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
         env.pop("RAY_ADDRESS", None)

@@ -39,7 +39,7 @@ class Reconciler:
 
     def reconcile(self, job: ledger.Job) -> None:
         state = JobState(job.state)
-        if state == JobState.QUEUED:
+        if state == JobState.QUEUED and not job.cancel_requested:  # cancelled: never start it; stop it below
             if time.time() - job.updated_at > QUEUED_GRACE_S:
                 jobs.submit(self.sessions, self.settings, self.gateway, job)
             return

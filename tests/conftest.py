@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from workers.run import POLL_ENV, POLL_S
+
 # Ray reads this once, at import: the test process is a client of a token-auth cluster.
 os.environ["RAY_AUTH_MODE"] = "token"
 
@@ -60,7 +62,7 @@ def ray_cluster(tmp_path_factory):
     worker runs one thread."""
     port, dash = free_port(), free_port()
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
-           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), POLL_ENV: POLL_S}
     env.pop("RAY_ADDRESS", None)
     ray = shutil.which("ray", path=env["PATH"])
     start = [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "8",

@@ -273,9 +273,11 @@ def _save(spec, env, model, optimizer, schedule, injector, *, step, epoch, next_
         path = checkpoint.commit(run_dir, step, {"epoch": epoch, "batch_index": next_batch,
                                                  "world_size": env.world_size, "loss": loss})
         checkpoint.prune(run_dir, spec.checkpoint.keep)
-        events.emit(run_dir, "checkpoint_committed", step=step, path=os.path.relpath(path, run_dir),
-                    save_s=round(time.perf_counter() - started, 4))
+    saved = time.perf_counter()
     env.on_checkpoint({"step": step, "loss": loss}, path)
+    if rank == 0:
+        events.emit(run_dir, "checkpoint_committed", step=step, path=os.path.relpath(path, run_dir),
+                    save_s=round(saved - started, 4), report_s=round(time.perf_counter() - saved, 4))
 
 
 def evaluate(model: nn.Module, splits: Splits, rank: int, world: int, device, batch_size: int) -> tuple[float, float]:

@@ -48,7 +48,9 @@ def create_job(
     """Submit a job. The same Idempotency-Key again returns the same job (200) and never
     starts a second Ray job."""
     spec = admission.admit(spec, settings, request.app.state.capacity())
-    body = spec.model_dump(mode="json", exclude={"job_id"} if idempotency_key else set())
+    # A generated job_id differs on every retry, so it is no part of the request; one the client chose is.
+    generated_id = idempotency_key and "job_id" not in spec.model_fields_set
+    body = spec.model_dump(mode="json", exclude={"job_id"} if generated_id else set())
     job, created = jobs.create(sessions, settings, spec, body=body, idempotency_key=idempotency_key)
     if created:
         job = jobs.try_submit(sessions, settings, gateway, job)

@@ -1,0 +1,334 @@
+"""The reconciler on a FakeGateway and hand-written run directories: Ray's status plus
+the events the workers would write decide each job's state (DESIGN.md invariants 4, 5)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from service import ledger, reconciler
+from service.gateway import GatewayError
+from service.settings import Settings
+from tests.fakes import FakeGateway
+from workers import events
+
+TOKEN = "reconciler-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+MAX_RESUBMITS = 2
+
+
+class FlakyGateway(FakeGateway):
+    """A FakeGateway whose Ray can be switched off (submit and stop refused)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.down = False
+        self.broken_status: set[str] = set()
+
+    def submit(self, **kw) -> None:
+        if self.down:
+            raise GatewayError("connection refused")
+        super().submit(**kw)
+
+    def stop(self, submission_id: str) -> None:
+        if self.down:
+            raise GatewayError("connection refused")
+        super().stop(submission_id)
+
+    def status(self, submission_id: str) -> str | None:
+        if submission_id in self.broken_status:
+            raise GatewayError("status unavailable")
+        return super().status(submission_id)
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    return Settings(data_dir=tmp_path / "data", token=TOKEN, storage=None, max_resubmits=MAX_RESUBMITS)
+
+
+@pytest.fixture
+def gateway() -> FlakyGateway:
+    return FlakyGateway()
+
+
+@pytest.fixture
+def app(settings, gateway):
+    return create_app(settings, gateway, reconcile=False)
+
+
+@pytest.fixture
+def client(app):
+    with TestClient(app, headers=AUTH) as c:
+        yield c
+
+
+def submit(client, job_id: str) -> dict:
+    body = {"job_id": job_id, "workers": 2, "dataset": {"name": "synthetic", "size": 64},
+            "training": {"max_steps": 20, "global_batch_size": 8}}
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def tick(app) -> None:
+    app.state.reconciler.tick()
+
+
+def job(app, job_id: str) -> ledger.Job:
+    return ledger.get_job(app.state.ledger, job_id=job_id)
+
+
+def rd(settings, job_id: str) -> str:
+    path = os.path.join(settings.runs_dir, job_id)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def set_ray(gateway, job_id: str, status: str) -> None:
+    """Ray's status of the job's newest submission."""
+    newest = [sid for sid, v in gateway.submitted.items() if v["job_id"] == job_id][-1]
+    gateway.statuses[newest] = status
+
+
+def test_submitted_job_becomes_running_once_an_attempt_starts(client, app, settings, gateway):
+    submit(client, "a")
+    run = rd(settings, "a")
+    set_ray(gateway, "a", "RUNNING")
+    tick(app)
+    assert job(app, "a").state == "SUBMITTED"  # Ray runs the driver, no worker trains yet
+    events.emit(run, "job_started", pid=1)
+    events.emit(run, "attempt_started", attempt=1, world_size=2, total_steps=20)
+    tick(app)
+    assert job(app, "a").state == "RUNNING"
+    tick(app)  # stable
+    assert job(app, "a").state == "RUNNING"
+    assert client.get("/v1/jobs/a").json()["state"] == "RUNNING"
+
+
+def test_worker_failure_means_recovering_until_resumed(client, app, settings, gateway):
+    submit(client, "b")
+    run = rd(settings, "b")
+    set_ray(gateway, "b", "RUNNING")
+    t0 = time.time()
+    events.emit(run, "attempt_started", attempt=1, total_steps=20, time=t0)
+    tick(app)
+    assert job(app, "b").state == "RUNNING"
+
+    events.emit(run, "worker_failed", rank=1, classification="infrastructure", time=t0 + 1)
+    tick(app)
+    assert job(app, "b").state == "RECOVERING"
+    tick(app)
+    assert job(app, "b").state == "RECOVERING"  # a new attempt alone is not recovery
+    events.emit(run, "attempt_started", attempt=2, total_steps=20, time=t0 + 2)
+    tick(app)
+    assert job(app, "b").state == "RECOVERING"
+
+    events.emit(run, "resumed", from_step=10, lost_steps=3, recovery_s=4.5, time=t0 + 3)
+    tick(app)
+    assert job(app, "b").state == "RUNNING"
+    assert job(app, "b").restarts == 1
+    public = client.get("/v1/jobs/b").json()
+    assert public["restarts"] == 1 and public["steps_recomputed"] == 3
+    registry = app.state.metrics.registry
+    assert registry.get_sample_value("etrain_job_restarts_total") == 1
+    assert registry.get_sample_value("etrain_steps_recomputed_total") == 3
+
+    events.emit(run, "fault_injected", rank=0, time=t0 + 4)  # a failure after the resume: recovering again
+    tick(app)
+    assert job(app, "b").state == "RECOVERING"
+
+
+def test_ray_succeeded_with_finished_event_is_succeeded(client, app, settings, gateway):
+    submit(client, "c")
+    run = rd(settings, "c")
+    events.emit(run, "attempt_started", attempt=1, total_steps=20)
+    set_ray(gateway, "c", "RUNNING")
+    tick(app)
+    events.emit(run, "finished", attempt=1, final_step=20, loss=0.25)
+    set_ray(gateway, "c", "SUCCEEDED")
+    tick(app)
+    assert job(app, "c").state == "SUCCEEDED"
+    public = client.get("/v1/jobs/c").json()
+    assert public["result"]["final_step"] == 20 and public["progress"]["step"] == 20
+    gateway.statuses.clear()  # a finished job is not looked at again
+    tick(app)
+    assert job(app, "c").state == "SUCCEEDED"
+
+
+def test_ray_failed_with_failed_event_is_failed_with_the_error(client, app, settings, gateway):
+    submit(client, "d")
+    run = rd(settings, "d")
+    events.emit(run, "attempt_started", attempt=1, total_steps=20)
+    events.emit(run, "worker_failed", rank=0, classification="deterministic",
+                traceback='Traceback (most recent call last):\n  File "loop.py"\nValueError: bad shape')
+    events.emit(run, "failed", rank=0, classification="deterministic", error="ValueError: bad shape")
+    set_ray(gateway, "d", "FAILED")
+    tick(app)
+    failed = job(app, "d")
+    assert failed.state == "FAILED"
+    assert failed.error == "ValueError: bad shape"
+    assert failed.resubmits == 0 and len(gateway.submitted) == 1  # a user's error is not retried
+    public = client.get("/v1/jobs/d").json()
+    assert public["error"]["message"] == "ValueError: bad shape"
+    assert "ValueError: bad shape" in public["error"]["traceback"]
+
+
+@pytest.mark.parametrize("lost_status", ["FAILED", "STOPPED", None])
+@pytest.mark.parametrize("was", ["SUBMITTED", "RUNNING"])
+def test_lost_driver_is_resubmitted_and_recovers(client, app, settings, gateway, lost_status, was):
+    first = submit(client, "e")
+    run = rd(settings, "e")
+    events.emit(run, "job_started", pid=1)
+    if was == "RUNNING":
+        events.emit(run, "attempt_started", attempt=1, total_steps=20)
+        set_ray(gateway, "e", "RUNNING")
+        tick(app)
+    assert job(app, "e").state == was
+    if lost_status is None:
+        del gateway.statuses[first["submission_id"]]  # Ray forgot the job (its head restarted)
+    else:
+        set_ray(gateway, "e", lost_status)
+
+    tick(app)
+    lost = job(app, "e")
+    assert lost.state == "RECOVERING"
+    assert lost.submission_id == "etrain-e-2" and lost.submission_id.endswith("-2")
+    assert lost.resubmits == 1 and lost.resubmitted_at is not None
+    assert list(gateway.submitted) == ["etrain-e-1", "etrain-e-2"]
+    assert gateway.submitted["etrain-e-2"]["spec_path"] == os.path.join(run, "spec.json")
+    assert client.get("/v1/jobs/e").json()["resubmits"] == 1
+
+    # The new driver runs, but training has not resumed yet: still recovering.
+    gateway.statuses["etrain-e-2"] = "RUNNING"
+    events.emit(run, "job_started", pid=2)
+    events.emit(run, "attempt_started", attempt=1, total_steps=20)
+    tick(app)
+    assert job(app, "e").state == "RECOVERING"
+    events.emit(run, "resumed", from_step=10, lost_steps=2, recovery_s=3.0)
+    tick(app)
+    assert job(app, "e").state == "RUNNING"
+    assert len(gateway.submitted) == 2
+
+
+def test_driver_lost_too_often_fails_the_job(client, app, settings, gateway):
+    submit(client, "f")
+    rd(settings, "f")
+    for n in range(1, MAX_RESUBMITS + 1):
+        gateway.statuses[f"etrain-f-{n}"] = "FAILED"
+        tick(app)
+        assert job(app, "f").state == "RECOVERING"
+        assert job(app, "f").resubmits == n and job(app, "f").submission_id == f"etrain-f-{n + 1}"
+    gateway.statuses[f"etrain-f-{MAX_RESUBMITS + 1}"] = "FAILED"
+    tick(app)
+    final = job(app, "f")
+    assert final.state == "FAILED"
+    assert final.resubmits == MAX_RESUBMITS
+    assert "lost" in final.error and str(MAX_RESUBMITS + 1) in final.error
+    assert len(gateway.submitted) == MAX_RESUBMITS + 1
+    tick(app)
+    assert len(gateway.submitted) == MAX_RESUBMITS + 1  # terminal: never resubmitted again
+
+
+def test_cancel_requested_and_ray_stopped_is_cancelled(client, app, settings, gateway):
+    submit(client, "g")
+    run = rd(settings, "g")
+    events.emit(run, "attempt_started", attempt=1, total_steps=20)
+    set_ray(gateway, "g", "RUNNING")
+    tick(app)
+    assert client.post("/v1/jobs/g/cancel").status_code == 200
+    assert gateway.stopped == ["etrain-g-1"]
+    gateway.statuses["etrain-g-1"] = "RUNNING"  # Ray has not stopped it yet
+    tick(app)
+    assert job(app, "g").state == "RUNNING"
+    assert gateway.stopped == ["etrain-g-1", "etrain-g-1"]  # asked again
+    tick(app)
+    assert job(app, "g").state == "CANCELLED"
+    assert job(app, "g").resubmits == 0 and len(gateway.submitted) == 1  # a stopped job is not "lost"
+
+
+def test_cancelled_job_that_finished_first_is_succeeded(client, app, settings, gateway):
+    submit(client, "h")
+    run = rd(settings, "h")
+    events.emit(run, "attempt_started", attempt=1, total_steps=20)
+    client.post("/v1/jobs/h/cancel")
+    events.emit(run, "finished", attempt=1, final_step=20, loss=0.1)
+    gateway.statuses["etrain-h-1"] = "SUCCEEDED"
+    tick(app)
+    assert job(app, "h").state == "SUCCEEDED"
+
+
+def _age(app, job_id: str, seconds: float) -> None:
+    with app.state.ledger() as s:
+        row = s.get(ledger.Job, job_id)
+        row.updated_at -= seconds
+        s.commit()
+
+
+def test_queued_job_is_submitted_after_the_grace_period(client, app, settings, gateway):
+    gateway.down = True
+    queued = submit(client, "q")
+    assert queued["state"] == "QUEUED" and gateway.submitted == {}
+    gateway.down = False
+    tick(app)
+    assert job(app, "q").state == "QUEUED" and gateway.submitted == {}  # fresh: the request may still submit it
+    _age(app, "q", reconciler.QUEUED_GRACE_S + 1)
+    tick(app)
+    assert job(app, "q").state == "SUBMITTED"
+    assert list(gateway.submitted) == ["etrain-q-1"]  # the id recorded before Ray was first asked
+    assert os.path.exists(os.path.join(settings.runs_dir, "q", "spec.json"))
+
+
+def test_queued_job_stays_queued_while_ray_is_down(client, app, gateway):
+    gateway.down = True
+    submit(client, "r")
+    _age(app, "r", reconciler.QUEUED_GRACE_S + 1)
+    tick(app)
+    assert job(app, "r").state == "QUEUED"
+    gateway.down = False
+    _age(app, "r", reconciler.QUEUED_GRACE_S + 1)
+    tick(app)
+    assert job(app, "r").state == "SUBMITTED"
+
+
+def test_job_cancelled_while_queued_is_never_started(client, app, settings, gateway):
+    gateway.down = True
+    submit(client, "s")
+    assert client.post("/v1/jobs/s/cancel").status_code == 200
+    gateway.down = False
+    _age(app, "s", reconciler.QUEUED_GRACE_S + 1)
+    tick(app)
+    tick(app)
+    assert job(app, "s").state == "CANCELLED"
+    assert gateway.submitted == {}
+
+
+def test_one_failing_job_does_not_stop_the_others(client, app, settings, gateway):
+    submit(client, "t1")
+    submit(client, "t2")
+    for name in ("t1", "t2"):
+        events.emit(rd(settings, name), "attempt_started", attempt=1, total_steps=20)
+        set_ray(gateway, name, "RUNNING")
+    gateway.broken_status.add("etrain-t1-1")
+    tick(app)
+    assert job(app, "t1").state == "SUBMITTED"
+    assert job(app, "t2").state == "RUNNING"
+
+
+def test_job_cancelled_while_queued_that_ray_took_after_all_is_stopped(client, app, settings, gateway):
+    gateway.down = True
+    submit(client, "u")
+    # The submission timed out here but reached Ray: Ray runs it under the recorded id.
+    gateway.submitted["etrain-u-1"] = {"spec_path": "", "job_id": "u"}
+    gateway.statuses["etrain-u-1"] = "PENDING"
+    assert client.post("/v1/jobs/u/cancel").status_code == 200  # Ray unreachable for the stop
+    gateway.down = False
+    _age(app, "u", reconciler.QUEUED_GRACE_S + 1)
+    tick(app)
+    assert gateway.stopped == ["etrain-u-1"]
+    tick(app)
+    assert job(app, "u").state == "CANCELLED"
+    assert list(gateway.submitted) == ["etrain-u-1"]
