@@ -107,14 +107,15 @@ class Server:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def cpu_s(self) -> float:
-        """utime + stime of the server process (all its threads), from /proc."""
+    def cpu_s(self) -> tuple[float, float]:
+        """(user, system) CPU seconds of the server process (all its threads), from /proc."""
         try:
             with open(f"/proc/{self.proc.pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            tick = os.sysconf("SC_CLK_TCK")
+            return int(fields[11]) / tick, int(fields[12]) / tick
         except (OSError, IndexError, ValueError):
-            return float("nan")
+            return float("nan"), float("nan")
 
     def log_tail(self, n: int = 30) -> str:
         with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
@@ -186,6 +187,7 @@ class Phase:
     error_samples: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     server_cpu_s: float = 0.0
+    server_sys_s: float = 0.0
     client_cpu_s: float = 0.0
 
     @property
@@ -226,11 +228,13 @@ async def run_phase(clients, name: str, method: str, path_of, body: dict | None,
             phase.latencies_s.append(time.perf_counter() - started)
             phase.statuses[status] = phase.statuses.get(status, 0) + 1
 
-    cpu0, srv0, t0 = time.process_time(), server.cpu_s() if server else 0.0, time.perf_counter()
+    cpu0, srv0, t0 = time.process_time(), server.cpu_s() if server else (0.0, 0.0), time.perf_counter()
     await asyncio.gather(*(worker(c) for c in clients))
     phase.wall_s = time.perf_counter() - t0
     phase.client_cpu_s = time.process_time() - cpu0
-    phase.server_cpu_s = (server.cpu_s() - srv0) if server else float("nan")
+    if server:
+        srv1 = server.cpu_s()
+        phase.server_cpu_s, phase.server_sys_s = srv1[0] + srv1[1] - sum(srv0), srv1[1] - srv0[1]
     return phase
 
 
@@ -436,15 +440,17 @@ def report(args, phases: list[Phase], facts: dict[str, Any], parts, load_before,
          f"{args.metrics} metrics lines; jobs in the ledger at the end: {facts.get('jobs_in_ledger')}"),
         "",
         (f"{'call':<26}{'requests':>9}{'errors':>7}{'req/s':>8}{'p50 ms':>8}{'p90 ms':>8}{'p99 ms':>8}"
-         f"{'max ms':>8}{'srv cpu':>8}{'cli cpu':>8}{'srv ms/req':>11}"),
+         f"{'max ms':>8}{'srv cpu':>8}{'of it sys':>10}{'cli cpu':>8}{'srv ms/req':>11}"),
     ]
     for p in phases:
         lines.append(f"{p.name:<26}{p.n:>9}{p.errors:>7}{p.n / p.wall_s:>8.0f}{p.pct_ms(50):>8.1f}"
                      f"{p.pct_ms(90):>8.1f}{p.pct_ms(99):>8.1f}{p.pct_ms(100):>8.1f}"
-                     f"{100 * p.server_cpu_s / p.wall_s:>7.0f}%{100 * p.client_cpu_s / p.wall_s:>7.0f}%"
+                     f"{100 * p.server_cpu_s / p.wall_s:>7.0f}%{100 * p.server_sys_s / p.wall_s:>9.0f}%"
+                     f"{100 * p.client_cpu_s / p.wall_s:>7.0f}%"
                      f"{1000 * p.server_cpu_s / p.n:>11.2f}")
     lines.append("srv cpu / cli cpu: CPU time of the server process (all threads) / of this client over the "
-                 "phase, in % of one core; srv ms/req: server CPU time per request")
+                 "phase, in % of one core (of it sys: the server's time in the kernel: fsync, file reads, "
+                 "sockets); srv ms/req: server CPU time per request")
     for p in phases:
         if p.errors:
             lines.append(f"{p.name}: statuses {dict(sorted(p.statuses.items()))}")

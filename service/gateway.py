@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from typing import Any, AsyncIterator, Protocol
 
 from service.settings import Settings
@@ -31,7 +32,7 @@ class RayGateway:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.dashboard_url = settings.dashboard_url.rstrip("/")
-        self.python = settings.python or os.sys.executable
+        self.python = settings.python or sys.executable
         self._client = None
 
     @property
@@ -80,10 +81,6 @@ class RayGateway:
                 return None
             raise GatewayError(str(e)) from e
 
-    def driver_pid(self, submission_id: str) -> int | None:
-        info = self.client.get_job_info(submission_id)
-        return getattr(getattr(info, "driver_info", None), "pid", None) and int(info.driver_info.pid)
-
     def logs(self, submission_id: str) -> str:
         try:
             return self.client.get_job_logs(submission_id)
@@ -108,7 +105,7 @@ class RayGateway:
         self._driver()
         strategy = NodeAffinitySchedulingStrategy(node_id, soft=False) if node_id else "DEFAULT"
         try:
-            killed = ray.get(_kill.options(scheduling_strategy=strategy).remote(pid), timeout=60)
+            killed = ray.get(_kill_task().options(scheduling_strategy=strategy).remote(pid), timeout=60)
         except Exception as e:
             raise GatewayError(f"could not reach the worker's node through Ray: {e}") from e
         if not killed:
@@ -135,30 +132,24 @@ class RayGateway:
             raise GatewayError(f"Ray Jobs API at {self.dashboard_url} unreachable: {e}") from e
 
 
-def _remote_kill():
-    import ray
-
-    @ray.remote(num_cpus=0)
-    def kill(pid: int) -> bool:
-        import signal
-
-        try:
-            os.kill(pid, signal.SIGKILL)
-            return True
-        except ProcessLookupError:
-            return False
-
-    return kill
+_kill = None
 
 
-class _LazyKill:
-    # Defined lazily: importing the service must not import ray.
-    _fn = None
+def _kill_task():
+    """The remote function, made on first use: importing the service must not import ray."""
+    global _kill
+    if _kill is None:
+        import ray
 
-    def options(self, **kw):
-        if self._fn is None:
-            self._fn = _remote_kill()
-        return self._fn.options(**kw)
+        @ray.remote(num_cpus=0)
+        def kill(pid: int) -> bool:
+            import signal
 
+            try:
+                os.kill(pid, signal.SIGKILL)
+                return True
+            except ProcessLookupError:
+                return False
 
-_kill = _LazyKill()
+        _kill = kill
+    return _kill

@@ -79,8 +79,7 @@ def note_lost_driver(run_dir: str) -> None:
     starts = [i for i, e in enumerate(history) if e["event"] == "job_started"]
     if not starts or any(e["event"] in ("finished", "failed") for e in history[starts[-1]:]):
         return
-    metrics = events.metrics(run_dir)
-    last_seen = max([history[-1]["time"]] + [m["time"] for m in metrics[-1:]])
+    last_seen = max([e["time"] for e in history] + [m["time"] for m in events.metrics(run_dir)[-1:]])
     events.emit(run_dir, "driver_lost", time=last_seen, noticed_at=time.time(), error="driver process lost",
                 pid=history[starts[-1]].get("pid"))
 

@@ -104,9 +104,8 @@ def _torchvision(spec: DatasetSpec, seed: int) -> Splits:
         where = os.path.join(root, folder)
         how = f"could not be downloaded ({type(e).__name__})" if spec.download else "download is off"
         raise DatasetUnavailable(f"dataset {spec.name!r} is not in {where} and {how}: put {files} in {where}") from e
-    images = lambda d: torch.as_tensor(d.data)  # noqa: E731
-    labels = lambda d: torch.as_tensor(d.targets)  # noqa: E731
-    return _tensor_splits(images(train), labels(train), images(test), labels(test), spec, seed)
+    return _tensor_splits(torch.as_tensor(train.data), torch.as_tensor(train.targets),
+                          torch.as_tensor(test.data), torch.as_tensor(test.targets), spec, seed)
 
 
 def _image_folder(spec: DatasetSpec, seed: int) -> Splits:
