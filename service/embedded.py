@@ -14,7 +14,8 @@ class EmbeddedRay:
     """`ray start --head --block` in its own process group, so stopping the group stops
     every process the head started (Ray's own `ray stop` would end every Ray on the host)."""
 
-    def __init__(self, *, gcs_port: int, dashboard_port: int, num_cpus: int | None, log_path: str):
+    def __init__(self, *, gcs_port: int, dashboard_port: int, num_cpus: int | None, log_path: str,
+                 extra_env: dict[str, str] | None = None):
         self.gcs_address = f"127.0.0.1:{gcs_port}"
         self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
         ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
@@ -25,16 +26,19 @@ class EmbeddedRay:
                     "--dashboard-agent-listen-port", str(_free_port())]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 120) -> None:
         from workers.run import POLL_ENV, POLL_S
 
-        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"), POLL_ENV: POLL_S,
-               # Job entrypoints run with the head's environment: give them this interpreter.
-               "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
+        # What the head and so every job it runs sees on top of this process's environment.
+        self.env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"), POLL_ENV: POLL_S,
+                    # Job entrypoints run with the head's environment: give them this interpreter.
+                    "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}", **(extra_env or {})}
+
+    def start(self, timeout: float = 120) -> None:
+        env = {**os.environ, **self.env}
         env.pop("RAY_ADDRESS", None)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -15,14 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workers.run import POLL_ENV, POLL_S
-
 # Ray reads this once, at import: the test process is a client of a token-auth cluster.
 os.environ["RAY_AUTH_MODE"] = "token"
 
 ROOT = Path(__file__).resolve().parents[1]
 MNIST = ROOT.parent / "shared" / "data" / "mnist" / "raw"
-BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
@@ -38,44 +34,24 @@ class Cluster:
     env: dict[str, str]
 
 
-def _wait_for_job_agent(dashboard: str, timeout: float = 90) -> None:
-    """`ray start` returns before the head's job agent registers; a job submitted
-    earlier is refused with 'No available agent'. Submit a no-op until one is taken."""
-    import time
-
-    from ray.job_submission import JobSubmissionClient
-
-    deadline = time.time() + timeout
-    while True:
-        try:
-            JobSubmissionClient(dashboard).submit_job(entrypoint="true")
-            return
-        except Exception:
-            if time.time() > deadline:
-                raise
-            time.sleep(1)
-
-
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """One head node for the whole session; 8 logical CPUs on 2 cores, since every
-    worker runs one thread."""
+    """One head node for the whole session, the same way `etrain serve` starts one:
+    `ray start --head --block` in its own process group, stopped by stopping the group
+    (never `ray stop`, which would end every Ray on the machine). 8 logical CPUs on 2
+    cores, since every worker runs one thread."""
+    from service.embedded import EmbeddedRay
+
     port, dash = free_port(), free_port()
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
-           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), POLL_ENV: POLL_S}
-    env.pop("RAY_ADDRESS", None)
-    ray = shutil.which("ray", path=env["PATH"])
-    start = [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "8",
-             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--disable-usage-stats",
-             # Its default port (52365) is taken when another Ray runs on this machine.
-             "--dashboard-agent-listen-port", str(free_port())]
-    subprocess.run(start, env=env, check=True, capture_output=True, cwd=ROOT, timeout=120)
+    log = tmp_path_factory.mktemp("ray") / "head.log"
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    head = EmbeddedRay(gcs_port=port, dashboard_port=dash, num_cpus=8, log_path=str(log), extra_env=env)
+    head.start()
     try:
-        _wait_for_job_agent(f"http://127.0.0.1:{dash}")
-        yield Cluster(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}",
-                      env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"})
+        client_env = {**os.environ, **head.env, "RAY_ADDRESS": head.gcs_address}
+        yield Cluster(address=head.gcs_address, dashboard=head.dashboard_url, env=client_env)
     finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.stop()
 
 
 @dataclass
