@@ -26,6 +26,10 @@ def request_hash(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def submission_name(job_id: str, n: int) -> str:
+    return f"etrain-{job_id}-{n}"
+
+
 def spec_path(settings: Settings, job_id: str) -> str:
     return os.path.join(rundir.run_dir(settings.runs_dir, job_id), "spec.json")
 
@@ -47,8 +51,10 @@ def write_spec(settings: Settings, spec: JobSpec) -> str:
 
 def create(sessions: sessionmaker[Session], settings: Settings, spec: JobSpec, *, body: dict[str, Any],
            idempotency_key: str | None) -> tuple[ledger.Job, bool]:
+    # The first submission id is fixed at insert: one commit fewer on every POST.
     return ledger.create_job(sessions, job_id=spec.job_id, spec=spec.model_dump(mode="json"),
-                             request_hash=request_hash(body), idempotency_key=idempotency_key)
+                             request_hash=request_hash(body), idempotency_key=idempotency_key,
+                             submission_id=submission_name(spec.job_id, 1))
 
 
 def submit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, job: ledger.Job,
@@ -60,10 +66,15 @@ def submit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway
     if resubmit or not job.submission_id:
         n = job.submissions + 1
         extra = {"resubmits": job.resubmits + 1, "resubmitted_at": time.time()} if resubmit else {}
-        job = ledger.update_job(sessions, job_id=job.id, submission_id=f"etrain-{job.id}-{n}", submissions=n, **extra)
+        job = ledger.update_job(sessions, job_id=job.id, submission_id=submission_name(job.id, n), submissions=n, **extra)
     gateway.submit(submission_id=job.submission_id, spec_path=path, job_id=job.id)
     target = JobState.RECOVERING if resubmit else JobState.SUBMITTED
-    return ledger.update_job(sessions, job_id=job.id, state=target)
+    try:
+        return ledger.update_job(sessions, job_id=job.id, state=target)
+    except IllegalTransition:
+        # Cancelled while Ray was taking it: Ray must not run it.
+        gateway.stop(job.submission_id)
+        raise
 
 
 def try_submit(sessions, settings, gateway, job: ledger.Job) -> ledger.Job:
@@ -78,8 +89,10 @@ def cancel(sessions: sessionmaker[Session], gateway: Gateway, job: ledger.Job) -
     state = JobState(job.state)
     if state in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
         raise IllegalTransition(state, JobState.CANCELLED)
-    if state == JobState.QUEUED and not job.submission_id:
+    if not job.submission_id:  # never named to Ray, so never on it
         return ledger.update_job(sessions, job_id=job.id, state=JobState.CANCELLED, cancel_requested=True)
+    # Even a QUEUED job may have reached Ray: the reconciler marks it CANCELLED once
+    # Ray confirms it is not running.
     job = ledger.update_job(sessions, job_id=job.id, cancel_requested=True)
     try:
         gateway.stop(job.submission_id)

@@ -76,7 +76,7 @@ def engine_of(sessions: sessionmaker[Session]) -> Engine:
 
 
 def create_job(sessions: sessionmaker[Session], *, job_id: str, spec: dict[str, Any], request_hash: str,
-               idempotency_key: str | None) -> tuple[Job, bool]:
+               idempotency_key: str | None, submission_id: str | None = None) -> tuple[Job, bool]:
     """Insert a QUEUED job. With an Idempotency-Key already used, return that job and
     False; the unique constraint settles races between concurrent requests."""
     now = time.time()
@@ -86,7 +86,8 @@ def create_job(sessions: sessionmaker[Session], *, job_id: str, spec: dict[str, 
             if existing is not None:
                 return _same_request(existing, request_hash), False
         s.add(Job(id=job_id, state=JobState.QUEUED.value, spec=json.dumps(spec), request_hash=request_hash,
-                  idempotency_key=idempotency_key, created_at=now, updated_at=now, submissions=0, resubmits=0,
+                  idempotency_key=idempotency_key, created_at=now, updated_at=now, resubmits=0,
+                  submission_id=submission_id, submissions=1 if submission_id else 0,
                   restarts=0, cancel_requested=False))
         try:
             s.commit()

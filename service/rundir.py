@@ -55,9 +55,9 @@ def current_run(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return history[starts[-1]:] if starts else history
 
 
-def phase(rd: str) -> str:
+def phase(rd: str, history: list[dict[str, Any]] | None = None) -> str:
     """starting | running | recovering | finished | failed, from the events alone."""
-    history = events.events(rd)
+    history = events.events(rd) if history is None else history
     run = current_run(history)
     kinds = {e["event"] for e in run}
     if "finished" in kinds:
@@ -80,7 +80,7 @@ def summary(rd: str) -> dict[str, Any]:
     latest = latest_metrics(rd)
     committed = [e for e in history if e["event"] == "checkpoint_committed"]
     out: dict[str, Any] = {
-        "phase": phase(rd),
+        "phase": phase(rd, history),
         "attempts": len(attempts),
         "restarts": max(0, len(attempts) - 1),
         "steps_recomputed": sum(r.get("lost_steps", 0) for r in resumed),
