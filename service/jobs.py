@@ -15,7 +15,7 @@ from service import ledger, rundir
 from service.gateway import Gateway, GatewayError
 from service.lifecycle import IllegalTransition, JobState
 from service.settings import Settings
-from workers.spec import JobSpec
+from workers.spec import JobSpec, write_spec_json
 
 
 class NotRunning(ValueError):
@@ -35,18 +35,8 @@ def spec_path(settings: Settings, job_id: str) -> str:
 
 
 def write_spec(settings: Settings, spec: JobSpec) -> str:
-    """spec.json is immutable: written once, atomically, before the first submission."""
-    path = spec_path(settings, spec.job_id)
-    if os.path.exists(path):
-        return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(spec.model_dump_json(indent=2))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    """spec.json is immutable: written once, before the first submission."""
+    return write_spec_json(spec.model_copy(update={"storage": settings.runs_dir}))
 
 
 def create(sessions: sessionmaker[Session], settings: Settings, spec: JobSpec, *, body: dict[str, Any],

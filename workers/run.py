@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from workers import events
-from workers.spec import JobSpec, absolute_paths, load_spec
+from workers.spec import JobSpec, absolute_paths, load_spec, write_spec_json
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC = 0, 1, 2
 POLL_ENV, POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
@@ -53,22 +53,14 @@ def _already_committed(checkpoint, _dir_name: str):
 
 def prepare_run_dir(spec: JobSpec) -> str:
     """Create the run directory and write spec.json once; a resubmission must match it."""
-    run_dir = spec.run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, "spec.json")
+    path = os.path.join(spec.run_dir, "spec.json")
     if os.path.exists(path):
         with open(path) as f:
             existing = JobSpec.model_validate_json(f.read())
         if existing != spec:
-            raise ValueError(f"{run_dir} already holds a different spec for job {spec.job_id}; use a new job_id")
-        return run_dir
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(spec.model_dump_json(indent=2))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return run_dir
+            raise ValueError(f"{spec.run_dir} already holds a different spec for job {spec.job_id}; use a new job_id")
+    write_spec_json(spec)
+    return spec.run_dir
 
 
 def note_lost_driver(run_dir: str) -> None:

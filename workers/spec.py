@@ -204,3 +204,19 @@ def absolute_paths(spec: JobSpec, base: str | os.PathLike | None = None) -> JobS
         update={"root": fix(spec.dataset.root), "images": fix(spec.dataset.images), "labels": fix(spec.dataset.labels)}
     )
     return spec.model_copy(update={"storage": fix(spec.storage), "dataset": dataset})
+
+
+def write_spec_json(spec: JobSpec) -> str:
+    """Write <run dir>/spec.json once, atomically (fsync, then rename); return its path.
+    It is immutable: an existing file is left as it is."""
+    path = os.path.join(spec.run_dir, "spec.json")
+    if os.path.exists(path):
+        return path
+    os.makedirs(spec.run_dir, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(spec.model_dump_json(indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path

@@ -64,7 +64,7 @@ def list_jobs(
     sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
     state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> JobsPublic:
     """Jobs, newest first."""
     rows, count = ledger.list_jobs(sessions, state=state, limit=limit, offset=offset)
