@@ -28,6 +28,9 @@ from workers.models import build_model
 from workers.spec import JobSpec, TrainingSpec
 
 
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @dataclass
 class WorkerEnv:
     rank: int
@@ -176,12 +179,17 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
                         image_size=splits.image_size).to(device)
     optimizer = make_optimizer(cfg, model.parameters())
     schedule = make_schedule(cfg, optimizer, total_steps)
+    amp_dtype = AMP_DTYPES.get(spec.precision)
+    # fp16 needs loss scaling so small gradients survive; its state is checkpointed.
+    scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
     step, epoch, batch_index = 0, 0, 0
     if found:
         state = checkpoint.load_shard(found[1], "state.pt")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
         step, epoch, batch_index = state["step"], state["epoch"], state["batch_index"]
         if os.path.exists(os.path.join(found[1], f"rng-rank{rank}.pt")):
             _set_rng_state(checkpoint.load_shard(found[1], f"rng-rank{rank}.pt"))
@@ -205,9 +213,11 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
                 x, y = splits.train.batch(indices)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(ddp(x), y)
-                loss.backward()
-                optimizer.step()
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    loss = loss_fn(ddp(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
                 schedule.step()
                 step += 1
                 loss_t = loss.detach().clone()
@@ -227,7 +237,7 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
                         print(f"[train] step {step}/{total_steps} epoch {epoch} loss {loss_value:.4f} "
                               f"{cfg.global_batch_size / step_s:.0f} samples/s", flush=True)
                 if step % spec.checkpoint.every_steps == 0 or step == total_steps:
-                    _save(spec, env, model, optimizer, schedule, injector, step=step, epoch=epoch,
+                    _save(spec, env, model, optimizer, schedule, scaler, injector, step=step, epoch=epoch,
                           next_batch=batch_index + 1, loss=loss_value)
                 t_last = time.perf_counter()
             else:
@@ -254,7 +264,7 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
                        val_loss=val_loss, val_accuracy=accuracy, weights_sha256=digest, world_size=world)
 
 
-def _save(spec, env, model, optimizer, schedule, injector, *, step, epoch, next_batch, loss) -> None:
+def _save(spec, env, model, optimizer, schedule, scaler, injector, *, step, epoch, next_batch, loss) -> None:
     """Every rank writes its shards, then rank 0 seals the checkpoint once all are in."""
     started = time.perf_counter()
     run_dir, rank = spec.run_dir, env.rank
@@ -262,6 +272,7 @@ def _save(spec, env, model, optimizer, schedule, injector, *, step, epoch, next_
     if rank == 0:
         checkpoint.write_shard(tmp, "state.pt", {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+            "scaler": scaler.state_dict(),
             "step": step, "epoch": epoch, "batch_index": next_batch,
         })
     checkpoint.write_shard(tmp, f"rng-rank{rank}.pt", _rng_state())

@@ -19,7 +19,7 @@ DATASETS = ("mnist", "fashion_mnist", "cifar10", "idx", "image_folder", "synthet
 STRATEGIES = ("ddp",)
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16", "fp16")
 FAULT_KINDS = ("crash", "exception", "hang")
 
 
@@ -148,7 +148,9 @@ class JobSpec(_Part):
     workers: int = Field(2, ge=1, le=4096, description="Number of training workers.")
     resources: Annotated[ResourcesSpec, Field(default_factory=ResourcesSpec)]
     training: Annotated[TrainingSpec, Field(default_factory=TrainingSpec)]
-    precision: Literal[PRECISIONS] = "fp32"
+    precision: Literal[PRECISIONS] = Field(
+        "fp32", description="bf16/fp16: autocast with fp32 weights; fp16 also scales the loss (GradScaler)."
+    )
     checkpoint: Annotated[CheckpointSpec, Field(default_factory=CheckpointSpec)]
     failure: Annotated[FailureSpec, Field(default_factory=FailureSpec)]
     faults: list[FaultSpec] = Field(default_factory=list, max_length=100)

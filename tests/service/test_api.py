@@ -151,7 +151,7 @@ BAD_SPECS = [
     ({"resources": {"gpu": -1}}, "resources.gpu", ["greater than or equal to 0"]),
     ({"max_step": 3}, "max_step", ["not permitted"]),
     ({"job_id": "../../etc"}, "job_id", ["pattern"]),
-    ({"precision": "fp8"}, "precision", ["fp32"]),
+    ({"precision": "fp8"}, "precision", ["fp32", "bf16", "fp16"]),
     ({"training": {"global_batch_size": 9}}, "global_batch_size", ["divisible", "workers"]),
     ({"faults": [{"at_step": 1, "rank": 5, "kind": "crash"}]}, "faults", ["rank 5"]),
     ({"faults": [{"at_step": 1, "kind": "meteor"}]}, "faults.0.kind", ["crash", "exception", "hang"]),

@@ -99,3 +99,23 @@ def test_a_model_that_always_fails_is_deterministic(tmp_path):
     assert "in forward" in failed["traceback"]
     assert "ValueError: shape bug in Broken.forward" in failed["traceback"]
     assert events.events(spec.run_dir, "finished") == []
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_and_resumes_exactly(tmp_path, precision):
+    undisturbed = train(job(tmp_path, f"{precision}-twin", precision=precision), env())
+    losses = [m["loss"] for m in events.metrics(os.path.join(tmp_path, f"{precision}-twin"))]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learns
+    fp32 = train(job(tmp_path, "fp32-twin"), env())
+    assert undisturbed["weights_sha256"] != fp32["weights_sha256"]  # autocast really ran
+
+    spec = job(tmp_path, f"{precision}-faulty", precision=precision,
+               faults=[{"at_step": 17, "rank": 0, "kind": "exception"}])
+    with pytest.raises(InjectedFault):
+        train(spec, env())
+    state = checkpoint.load_shard(checkpoint.latest(spec.run_dir)[1], "state.pt")
+    # fp16's loss scale is part of the checkpoint; bf16 needs none.
+    assert bool(state["scaler"]) == (precision == "fp16")
+    if precision == "fp16":
+        assert state["scaler"]["scale"] > 0 and "_growth_tracker" in state["scaler"]
+    assert train(spec, env())["weights_sha256"] == undisturbed["weights_sha256"]
