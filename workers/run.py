@@ -51,6 +51,10 @@ def _already_committed(checkpoint, _dir_name: str):
     return checkpoint
 
 
+class RunDirTaken(ValueError):
+    """The run directory belongs to another spec with the same job_id: leave it alone."""
+
+
 def prepare_run_dir(spec: JobSpec) -> str:
     """Create the run directory and write spec.json once; a resubmission must match it."""
     path = os.path.join(spec.run_dir, "spec.json")
@@ -58,7 +62,7 @@ def prepare_run_dir(spec: JobSpec) -> str:
         with open(path) as f:
             existing = JobSpec.model_validate_json(f.read())
         if existing != spec:
-            raise ValueError(f"{spec.run_dir} already holds a different spec for job {spec.job_id}; use a new job_id")
+            raise RunDirTaken(f"{spec.run_dir} already holds a different spec for job {spec.job_id}; use a new job_id")
     write_spec_json(spec)
     return spec.run_dir
 
@@ -172,6 +176,12 @@ def run(spec: JobSpec) -> dict[str, Any]:
     return summary
 
 
+def _one_line(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'spec'}: {err['msg']}" for err in e.errors())
+    return str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.run", description=__doc__)
     parser.add_argument("spec", help="job spec file, YAML or JSON")
@@ -185,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = JobSpec.model_validate({**spec.model_dump(), **overrides})
         spec = absolute_paths(spec)
     except (OSError, ValueError, ValidationError) as e:
-        print(f"error: invalid spec {args.spec}: {e}", file=sys.stderr)
+        print(f"error: invalid spec {args.spec}: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_SPEC
     try:
         summary = run(spec)
@@ -194,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if not isinstance(e, (DatasetUnavailable, ValueError)):
             raise
+        if not isinstance(e, RunDirTaken):
+            # The verdict goes in the run directory too, so a service watching it does
+            # not take this exit for a lost driver and run it again.
+            events.emit(spec.run_dir, "failed", error=str(e), classification="deterministic")
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_SPEC
     print(json.dumps(summary), flush=True)

@@ -200,7 +200,9 @@ def absolute_paths(spec: JobSpec, base: str | os.PathLike | None = None) -> JobS
     base = Path(base or os.getcwd())
 
     def fix(p: str | None) -> str | None:
-        return None if p is None else str((base / os.path.expanduser(p)).resolve())
+        # abspath, not resolve: a path through a symlink must stay as written, or the
+        # spec.json a service wrote would no longer equal the spec the driver loads.
+        return None if p is None else os.path.abspath(os.path.join(base, os.path.expanduser(p)))
 
     dataset = spec.dataset.model_copy(
         update={"root": fix(spec.dataset.root), "images": fix(spec.dataset.images), "labels": fix(spec.dataset.labels)}

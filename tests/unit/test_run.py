@@ -1,0 +1,50 @@
+"""workers.run's handling of what stops a job before any worker starts (no Ray needed)."""
+
+import json
+import os
+
+import yaml
+
+from workers import events
+from workers.run import EXIT_BAD_SPEC, main
+from workers.spec import absolute_paths, load_spec
+
+
+def spec_file(tmp_path, **fields):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"job_id": "j1", "storage": str(tmp_path / "runs"), **fields}))
+    return path
+
+
+def test_missing_data_is_a_verdict_in_the_run_dir(tmp_path, capsys):
+    path = spec_file(tmp_path, dataset={"name": "idx", "images": "nope.gz", "labels": "nope2.gz"})
+    assert main([str(path)]) == EXIT_BAD_SPEC
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nope.gz" in err and len(err.strip().splitlines()) == 1
+    (failed,) = events.events(str(tmp_path / "runs" / "j1"), "failed")
+    assert "nope.gz" in failed["error"] and failed["classification"] == "deterministic"
+
+
+def test_a_different_spec_under_a_taken_job_id_leaves_that_run_alone(tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "j1"
+    os.makedirs(run_dir)
+    first = absolute_paths(load_spec(spec_file(tmp_path, workers=1)))
+    (run_dir / "spec.json").write_text(first.model_dump_json())
+    assert main([str(spec_file(tmp_path, workers=2))]) == EXIT_BAD_SPEC
+    assert "already holds a different spec" in capsys.readouterr().err
+    assert events.events(str(run_dir)) == []
+    assert json.loads((run_dir / "spec.json").read_text())["workers"] == 1
+
+
+def test_invalid_spec_file_is_one_line(tmp_path, capsys):
+    assert main([str(spec_file(tmp_path, model="gpt-17"))]) == EXIT_BAD_SPEC
+    err = capsys.readouterr().err
+    assert "model.name" in err and "simple_cnn" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_absolute_paths_keep_symlinks_as_written(tmp_path):
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    spec = load_spec(spec_file(tmp_path, dataset={"name": "image_folder", "root": "link/x"}))
+    assert absolute_paths(spec, base=tmp_path).dataset.root == str(tmp_path / "link" / "x")
