@@ -18,9 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from workers import checkpoint, events, failures
+from workers import checkpoint, events, failures, strategies
 from workers.data import Splits, load
 from workers.data.sampler import ResumableDistributedSampler
 from workers.faults import FaultInjector
@@ -42,9 +41,13 @@ class WorkerEnv:
 
 
 def weights_sha256(model: nn.Module) -> str:
-    """SHA-256 over the state dict in name order, so two runs compare by one string."""
+    return state_sha256(model.state_dict())
+
+
+def state_sha256(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over a state dict in name order, so two runs compare by one string."""
     h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted(state.items()):
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
@@ -177,16 +180,17 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
 
     model = build_model(spec.model, in_channels=splits.in_channels, num_classes=splits.num_classes,
                         image_size=splits.image_size).to(device)
-    optimizer = make_optimizer(cfg, model.parameters())
-    schedule = make_schedule(cfg, optimizer, total_steps)
     amp_dtype = AMP_DTYPES.get(spec.precision)
     # fp16 needs loss scaling so small gradients survive; its state is checkpointed.
     scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
+    strategy = strategies.build(spec)
+    trained = strategy.wrap(model, device, world)  # before the optimizer: FSDP swaps in sharded parameters
+    optimizer = make_optimizer(cfg, model.parameters())
+    schedule = make_schedule(cfg, optimizer, total_steps)
     step, epoch, batch_index = 0, 0, 0
     if found:
         state = checkpoint.load_shard(found[1], "state.pt")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        strategy.load_state(found[1], model, optimizer, state)
         schedule.load_state_dict(state["schedule"])
         if state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
@@ -195,7 +199,6 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
             _set_rng_state(checkpoint.load_shard(found[1], f"rng-rank{rank}.pt"))
         else:  # a rank the checkpoint's world did not have: a fresh stream of its own
             _seed_everything(cfg.seed + 1000 * rank + step)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
     injector = FaultInjector(spec.faults, run_dir, rank)
     loss_fn = nn.CrossEntropyLoss()
     if rank == 0:
@@ -214,7 +217,7 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    loss = loss_fn(ddp(x), y)
+                    loss = loss_fn(trained(x), y)
                 scaler.scale(loss).backward()
                 scaler.step(optimizer)
                 scaler.update()
@@ -237,7 +240,7 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
                         print(f"[train] step {step}/{total_steps} epoch {epoch} loss {loss_value:.4f} "
                               f"{cfg.global_batch_size / step_s:.0f} samples/s", flush=True)
                 if step % spec.checkpoint.every_steps == 0 or step == total_steps:
-                    _save(spec, env, model, optimizer, schedule, scaler, injector, step=step, epoch=epoch,
+                    _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, step=step, epoch=epoch,
                           next_batch=batch_index + 1, loss=loss_value)
                 t_last = time.perf_counter()
             else:
@@ -252,27 +255,30 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
             raise failures.DeterministicTrainingError(f"{failures.signature(exc)} (step {step + 1}, rank {rank})") from exc
         raise
 
-    accuracy, val_loss = evaluate(model, splits, rank, world, device, cfg.eval_batch_size)
+    accuracy, val_loss = evaluate(model, splits, rank, world, device, cfg.eval_batch_size,
+                                  every_rank_runs_all=strategy.shards_parameters)
+    weights = strategy.full_state_dict(model)  # a collective for sharded strategies
     if rank != 0:
         return None
-    digest = weights_sha256(model)
+    digest = state_sha256(weights)
     os.makedirs(os.path.join(run_dir, "final"), exist_ok=True)
-    torch.save(model.state_dict(), os.path.join(run_dir, "final", "model.pt"))
+    torch.save(weights, os.path.join(run_dir, "final", "model.pt"))
     if recovery.pending:  # failed after the last step: nothing recomputed
         recovery.record(run_dir)
     return events.emit(run_dir, "finished", attempt=attempt, final_step=step, loss=loss_value,
                        val_loss=val_loss, val_accuracy=accuracy, weights_sha256=digest, world_size=world)
 
 
-def _save(spec, env, model, optimizer, schedule, scaler, injector, *, step, epoch, next_batch, loss) -> None:
+def _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, *, step, epoch, next_batch,
+          loss) -> None:
     """Every rank writes its shards, then rank 0 seals the checkpoint once all are in."""
     started = time.perf_counter()
     run_dir, rank = spec.run_dir, env.rank
     tmp = checkpoint.tmp_dir(run_dir, step)
+    weights = strategy.save_state(tmp, model, optimizer)
     if rank == 0:
         checkpoint.write_shard(tmp, "state.pt", {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-            "scaler": scaler.state_dict(),
+            **weights, "schedule": schedule.state_dict(), "scaler": scaler.state_dict(),
             "step": step, "epoch": epoch, "batch_index": next_batch,
         })
     checkpoint.write_shard(tmp, f"rng-rank{rank}.pt", _rng_state())
@@ -291,10 +297,14 @@ def _save(spec, env, model, optimizer, schedule, scaler, injector, *, step, epoc
                     save_s=round(saved - started, 4), report_s=round(time.perf_counter() - saved, 4))
 
 
-def evaluate(model: nn.Module, splits: Splits, rank: int, world: int, device, batch_size: int) -> tuple[float, float]:
-    """Accuracy and mean loss on the validation split, each rank a strided share."""
+def evaluate(model: nn.Module, splits: Splits, rank: int, world: int, device, batch_size: int,
+             every_rank_runs_all: bool = False) -> tuple[float, float]:
+    """Accuracy and mean loss on the validation split, each rank a strided share; or,
+    where parameters are sharded (every forward is a collective), all of it on every rank."""
     model.eval()
     correct = torch.zeros(3, dtype=torch.float64)
+    if every_rank_runs_all:
+        rank, world = 0, 1
     indices = torch.arange(rank, len(splits.val), world)
     with torch.no_grad():
         for lo in range(0, len(indices), batch_size):

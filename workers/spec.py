@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MODELS = ("simple_cnn", "resnet18", "mlp", "custom")
 DATASETS = ("mnist", "fashion_mnist", "cifar10", "idx", "image_folder", "synthetic")
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "fsdp")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -122,6 +122,10 @@ class FailureSpec(_Part):
     )
 
 
+class FsdpSpec(_Part):
+    cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
+
+
 class FaultSpec(_Part):
     at_step: int = Field(..., ge=1, description="Fire while running this step (1-based).")
     rank: int = Field(0, ge=0, description="World rank that fails.")
@@ -144,7 +148,10 @@ class JobSpec(_Part):
     )
     model: Annotated[ModelSpec, Field(default_factory=ModelSpec)]
     dataset: Annotated[DatasetSpec, Field(default_factory=DatasetSpec)]
-    strategy: Literal[STRATEGIES] = Field("ddp", description="Parallelism strategy.")
+    strategy: Literal[STRATEGIES] = Field(
+        "ddp", description="ddp: whole model on every worker; fsdp: parameters, gradients and optimizer sharded."
+    )
+    fsdp: Annotated[FsdpSpec, Field(default_factory=FsdpSpec)]
     workers: int = Field(2, ge=1, le=4096, description="Number of training workers.")
     resources: Annotated[ResourcesSpec, Field(default_factory=ResourcesSpec)]
     training: Annotated[TrainingSpec, Field(default_factory=TrainingSpec)]

@@ -135,7 +135,7 @@ BAD_SPECS = [
     ({"model": "gpt5"}, "model.name", ["simple_cnn", "resnet18", "mlp"]),
     ({"model": {"name": "gpt5"}}, "model.name", ["simple_cnn", "resnet18", "mlp"]),
     ({"dataset": "imagenet"}, "dataset.name", ["mnist", "cifar10", "synthetic", "idx"]),
-    ({"strategy": "zero3"}, "strategy", ["ddp"]),
+    ({"strategy": "zero3"}, "strategy", ["ddp", "fsdp"]),
     ({"workers": -1}, "workers", ["greater than or equal to 1"]),
     ({"workers": 0}, "workers", ["greater than or equal to 1"]),
     ({"workers": 10**12}, "workers", ["less than or equal to 4096"]),
