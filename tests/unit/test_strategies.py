@@ -48,11 +48,11 @@ def fsdp_job(tmp_path, job_id, **fields) -> JobSpec:
     return spec
 
 
-@pytest.mark.parametrize("cpu_offload", [False, True])
-def test_fsdp_checkpoints_are_sharded_and_resume_exactly(tmp_path, one_rank_group, cpu_offload):
-    twin = train(fsdp_job(tmp_path, "twin", fsdp={"cpu_offload": cpu_offload}), WorkerEnv(0, 1, 0))
-    spec = fsdp_job(tmp_path, "faulty", fsdp={"cpu_offload": cpu_offload},
-                    faults=[{"at_step": 17, "rank": 0, "kind": "exception"}])
+@pytest.mark.parametrize("options", [{}, {"fsdp": {"cpu_offload": True}}, {"precision": "bf16"}],
+                         ids=["plain", "cpu-offload", "bf16-policy"])
+def test_fsdp_checkpoints_are_sharded_and_resume_exactly(tmp_path, one_rank_group, options):
+    twin = train(fsdp_job(tmp_path, "twin", **options), WorkerEnv(0, 1, 0))
+    spec = fsdp_job(tmp_path, "faulty", **options, faults=[{"at_step": 17, "rank": 0, "kind": "exception"}])
     with pytest.raises(InjectedFault):
         train(spec, WorkerEnv(0, 1, 0))
     files = set(os.listdir(os.path.join(spec.run_dir, "checkpoints", "step-000010")))

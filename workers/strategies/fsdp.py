@@ -8,30 +8,32 @@ from torch import nn
 
 from workers.strategies.base import Strategy
 
-# Written by torch.distributed.checkpoint into the checkpoint's directory, one file per rank
-# plus .metadata; the run directory's manifest then seals them like any other shard.
-
-
 class FSDP(Strategy):
     """FSDP2: parameters, gradients and optimizer state sharded across ranks
-    (fully_shard per block, then the root), saved and loaded with torch.distributed.checkpoint
-    so a checkpoint can be loaded by a different number of ranks."""
+    (fully_shard per block, then the root). Checkpoints go through torch.distributed.checkpoint
+    (one file per rank plus .metadata, sealed by the run directory's manifest like any shard),
+    so a different number of ranks can load them."""
 
     name = "fsdp"
     shards_parameters = True
 
-    def __init__(self, cpu_offload: bool = False):
+    def __init__(self, cpu_offload: bool = False, param_dtype: torch.dtype | None = None):
         self.cpu_offload = cpu_offload
+        self.param_dtype = param_dtype
 
     @classmethod
     def from_spec(cls, spec) -> FSDP:
-        return cls(cpu_offload=spec.fsdp.cpu_offload)
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        return cls(cpu_offload=spec.fsdp.cpu_offload, param_dtype=dtypes.get(spec.precision))
 
     def wrap(self, model: nn.Module, device: torch.device, world_size: int) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        # pin_memory needs a CUDA driver; on CPU-only machines offload must not pin.
-        kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if self.cpu_offload else {}
+        kwargs = {}
+        if self.cpu_offload:  # pin_memory needs a CUDA driver: on CPU-only machines, don't pin
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        if self.param_dtype is not None:  # compute in low precision, reduce gradients in fp32
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         for block in _blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
