@@ -95,6 +95,10 @@ def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300) -> Outco
         proc.kill()
         out, _ = proc.communicate()
         pytest.fail(f"job did not finish in {timeout}s:\n{out[-5000:]}")
+    finally:
+        if proc.poll() is None:  # interrupted: leave no driver behind
+            proc.kill()
+            proc.wait()
     return Outcome(proc.returncode, last_json_line(out), out, run_dir)
 
 
