@@ -15,6 +15,7 @@ import typer
 import yaml
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from service.settings import Settings, ensure_token
@@ -42,7 +43,7 @@ def _client(url: str, data_dir: Path | None = None) -> httpx.Client:
 
 
 def _fail(message: str, code: int = 1):
-    console.print(f"[red]error:[/red] {message}")
+    console.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(code)
 
 
@@ -177,7 +178,7 @@ def watch_job(client: httpx.Client, job_id: str, on_tick=None) -> dict:
             job = _request(client, "GET", f"/v1/jobs/{job_id}")
             resumed = [e for e in _request(client, "GET", f"/v1/jobs/{job_id}/events")["data"] if e["event"] == "resumed"]
             for r in resumed[seen:]:
-                notes.append(f"[yellow]recovered[/yellow]: rank {r.get('failed_rank')} failed ({r.get('cause')}); "
+                notes.append(f"[yellow]recovered[/yellow]: rank {r.get('failed_rank')} failed ({escape(str(r.get('cause')))}); "
                              f"resumed from step {r['from_step']}, {r['lost_steps']} step(s) recomputed, "
                              f"{r['recovery_s']:.1f}s to the next step")
             seen = len(resumed)

@@ -108,24 +108,24 @@ class Recovery:
         recent = [e for e in events.events(run_dir) if e["time"] >= since]
         failed = [e for e in recent if e["event"] in ("fault_injected", "worker_failed", "driver_lost")]
         self.failure_time = min((e["time"] for e in failed), default=time.time())
-        self.failed_rank = self._culprit(failed)
-        self.cause = next((e.get("kind") or e.get("error") for e in failed if e["event"] == "fault_injected"),
-                          next((e.get("error") for e in failed), "unknown"))
+        culprit = self._culprit(failed) or {}
+        self.failed_rank = culprit.get("rank")
+        self.cause = culprit.get("kind") or culprit.get("error") or "unknown"
         reached = [m["step"] for m in events.metrics(run_dir) if m.get("attempt") == attempts[-1].get("attempt")]
         self.reached_step = max(reached, default=from_step)
         self.from_step = from_step
 
     @staticmethod
-    def _culprit(failed: list[dict[str, Any]]) -> int | None:
-        # The rank that failed first-hand: an injected fault, a dead process, then a
+    def _culprit(failed: list[dict[str, Any]]) -> dict[str, Any] | None:
+        # What failed first-hand: an injected fault, a dead process or driver, then a
         # non-communication error; peers' connection errors are only echoes of it.
         for match in (lambda e: e["event"] == "fault_injected",
-                      lambda e: e.get("process_died"),
+                      lambda e: e.get("process_died") or e["event"] == "driver_lost",
                       lambda e: e.get("classification") != failures.INFRASTRUCTURE,
                       lambda e: True):
             hit = next((e for e in failed if match(e)), None)
             if hit is not None:
-                return hit.get("rank")
+                return hit
         return None
 
     def record(self, run_dir: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -79,3 +80,27 @@ def test_errors_are_one_clear_line(server, tmp_path):
     rejected = run(cli, ["submit", str(bad)])
     assert rejected.exit_code == 1 and "422" in rejected.output and "model.name" in rejected.output
     assert "Traceback" not in rejected.output
+
+
+def test_watch_shows_a_recovery_whose_cause_has_brackets(server, tmp_path, monkeypatch):
+    # Seen in a run: gloo's error text starts with "[/__w/...]", which rich took for markup.
+    import io
+
+    from rich.console import Console
+
+    import service.cli as cli_module
+
+    application, gateway, data_dir = server
+    spec = tmp_path / "job.yaml"
+    spec.write_text("job_id: w1\nmodel: simple_cnn\n")
+    assert CliRunner().invoke(cli, ["submit", str(spec)]).exit_code == 0
+    cause = "[/__w/pytorch/gloo/pair.cc:561] Connection closed by peer"
+    events.emit(str(data_dir / "runs" / "w1"), "resumed", failed_rank=0, cause=cause, from_step=10,
+                lost_steps=3, recovery_s=4.2)
+    ledger.update_job(application.state.ledger, job_id="w1", state=JobState.FAILED)
+    out = io.StringIO()
+    monkeypatch.setattr(cli_module, "console", Console(file=out, width=250))
+    with cli_module._client(os.environ["ETRAIN_URL"]) as client:
+        job = cli_module.watch_job(client, "w1")
+    assert job["state"] == "FAILED"
+    assert cause in out.getvalue()

@@ -119,3 +119,19 @@ def test_mixed_precision_trains_and_resumes_exactly(tmp_path, precision):
     if precision == "fp16":
         assert state["scaler"]["scale"] > 0 and "_growth_tracker" in state["scaler"]
     assert train(spec, env())["weights_sha256"] == undisturbed["weights_sha256"]
+
+
+def test_recovery_blames_the_dead_process_not_the_peer_that_lost_its_connection(tmp_path):
+    from workers.loop import Recovery
+
+    run_dir = str(tmp_path)
+    events.emit(run_dir, "attempt_started", attempt=1)
+    events.log_metrics(run_dir, step=13, attempt=1)
+    # The survivor notices first, with gloo's message (brackets and all); Ray reports the death after.
+    events.emit(run_dir, "worker_failed", rank=0, classification=INFRASTRUCTURE,
+                error="[/__w/pytorch/third_party/gloo/pair.cc:561] Connection closed by peer")
+    events.emit(run_dir, "worker_failed", rank=1, classification=INFRASTRUCTURE, error="worker process died",
+                process_died=True)
+    recovery = Recovery(run_dir, from_step=10)
+    assert (recovery.failed_rank, recovery.cause) == (1, "worker process died")
+    assert (recovery.reached_step, recovery.attempt) == (13, 2)
