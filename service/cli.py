@@ -23,6 +23,7 @@ from service.settings import Settings, ensure_token
 app = typer.Typer(help="elastic-train: distributed PyTorch training that survives failures.", no_args_is_help=True)
 console = Console()
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+FAILURE_EVENTS = ("worker_failed", "fault_injected", "driver_lost")
 ROOT = Path(__file__).resolve().parents[1]
 
 UrlOpt = Annotated[str, typer.Option("--url", envvar="ETRAIN_URL", help="API address.")]
@@ -172,18 +173,23 @@ def _progress_table(job: dict, notes: list[str]) -> Table:
 def watch_job(client: httpx.Client, job_id: str, on_tick=None) -> dict:
     """Live progress until the job ends; each recovery is shown as it happens."""
     notes: list[str] = []
-    seen = 0
+    seen, announced = 0, False
     with Live(console=console, refresh_per_second=4) as live:
         while True:
             job = _request(client, "GET", f"/v1/jobs/{job_id}")
-            resumed = [e for e in _request(client, "GET", f"/v1/jobs/{job_id}/events")["data"] if e["event"] == "resumed"]
+            history = _request(client, "GET", f"/v1/jobs/{job_id}/events")["data"]
+            resumed = [e for e in history if e["event"] == "resumed"]
             for r in resumed[seen:]:
                 notes.append(f"[yellow]recovered[/yellow]: rank {r.get('failed_rank')} failed ({escape(str(r.get('cause')))}); "
                              f"resumed from step {r['from_step']}, {r['lost_steps']} step(s) recomputed, "
                              f"{r['recovery_s']:.1f}s to the next step")
+                announced = False
             seen = len(resumed)
-            if job["state"] == "RECOVERING" and (not notes or not notes[-1].startswith("[red]")):
+            # From the events, not the job state, which the reconciler updates a tick later.
+            last_failure = max((e["time"] for e in history if e["event"] in FAILURE_EVENTS), default=0)
+            if not announced and job["state"] not in TERMINAL and last_failure > max((e["time"] for e in resumed), default=0):
                 notes.append("[red]a worker failed[/red]: recovering from the newest checkpoint ...")
+                announced = True
             live.update(_progress_table(job, notes))
             if on_tick:
                 on_tick(job)
