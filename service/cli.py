@@ -187,7 +187,8 @@ def watch_job(client: httpx.Client, job_id: str, on_tick=None) -> dict:
             seen = len(resumed)
             # From the events, not the job state, which the reconciler updates a tick later.
             last_failure = max((e["time"] for e in history if e["event"] in FAILURE_EVENTS), default=0)
-            if not announced and job["state"] not in TERMINAL and last_failure > max((e["time"] for e in resumed), default=0):
+            unexplained = last_failure > max((e["time"] for e in resumed), default=0)
+            if unexplained and not announced and job["state"] not in TERMINAL:
                 notes.append("[red]a worker failed[/red]: recovering from the newest checkpoint ...")
                 announced = True
             live.update(_progress_table(job, notes))
