@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from common import write_results  # bench/ is sys.path[0] when run as a script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -460,14 +462,6 @@ def report(args, phases: list[Phase], facts: dict[str, Any], parts, load_before,
     errors = sum(p.errors for p in phases)
     lines += ["", f"errors: {errors}" + ("" if errors else " (all requests answered 2xx)")]
     return "\n".join(lines) + "\n"
-
-
-def write_results(text: str, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- main

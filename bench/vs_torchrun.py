@@ -49,6 +49,8 @@ from workers import events  # noqa: E402  (light: no torch, no ray)
 from workers.run import prepare_run_dir, summarize  # noqa: E402
 from workers.spec import JobSpec, absolute_paths  # noqa: E402
 
+from common import write_results  # bench/ is sys.path[0] when run as a script
+
 WORKER = os.path.join(ROOT, "bench", "torchrun_worker.py")
 RESULTS = os.path.join(ROOT, "bench", "results", "vs_torchrun.txt")
 SYSTEMS = ("ray", "torchrun")
@@ -347,14 +349,6 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
         extra = f"; {'; '.join(r.notes)}" if r.notes else ""
         lines.append(f"{r.name:<15} {status:<8} sha256 {sha.get((s, c)) or '-'}{extra}")
     return "\n".join(lines) + "\n", good
-
-
-def write_results(text: str, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- main
