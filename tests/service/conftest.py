@@ -64,6 +64,22 @@ def stop_api(api: Api) -> None:
 
 
 @pytest.fixture
+def app(settings, gateway):
+    """The app on the module's own `settings` and fake `gateway` fixtures, reconciler off."""
+    from api.app import create_app
+
+    return create_app(settings, gateway, reconcile=False)
+
+
+@pytest.fixture
+def client(app):
+    from fastapi.testclient import TestClient
+
+    with TestClient(app, headers={"Authorization": f"Bearer {app.state.settings.token}"}) as c:
+        yield c
+
+
+@pytest.fixture
 def api(ray_cluster, tmp_path):
     a = start_api(ray_cluster, tmp_path)
     try:

@@ -69,17 +69,6 @@ def gateway() -> FakeGateway:
     return FakeGateway()
 
 
-@pytest.fixture
-def app(settings, gateway):
-    return create_app(settings, gateway, reconcile=False)
-
-
-@pytest.fixture
-def client(app):
-    with TestClient(app, headers=AUTH) as c:
-        yield c
-
-
 def job_count(app) -> int:
     return ledger.list_jobs(app.state.ledger)[1]
 

@@ -7,9 +7,7 @@ import os
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 
-from api.app import create_app
 from service import ledger, reconciler
 from service.gateway import GatewayError
 from service.settings import Settings
@@ -53,17 +51,6 @@ def settings(tmp_path) -> Settings:
 @pytest.fixture
 def gateway() -> FlakyGateway:
     return FlakyGateway()
-
-
-@pytest.fixture
-def app(settings, gateway):
-    return create_app(settings, gateway, reconcile=False)
-
-
-@pytest.fixture
-def client(app):
-    with TestClient(app, headers=AUTH) as c:
-        yield c
 
 
 def submit(client, job_id: str) -> dict:
