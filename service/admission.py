@@ -36,9 +36,10 @@ def admit(spec: JobSpec, settings: Settings, capacity: dict[str, Any] | None) ->
                            f"dataset.{field} must be an absolute path inside one of: {', '.join(roots)}")
     if capacity is not None:
         cpus, gpus = capacity.get("cpus", {}).get("total", 0), capacity.get("gpus", {}).get("total", 0)
-        need_cpu, need_gpu = spec.workers * spec.resources.cpu, spec.workers * spec.resources.gpu
+        # An elastic job starts once its minimum fits.
+        need_cpu, need_gpu = spec.min_workers * spec.resources.cpu, spec.min_workers * spec.resources.gpu
         if need_cpu > cpus or need_gpu > gpus:
             raise Rejected(("body", "workers"),
-                           f"{spec.workers} workers need {need_cpu:g} CPUs and {need_gpu:g} GPUs; the cluster "
+                           f"{spec.min_workers} workers need {need_cpu:g} CPUs and {need_gpu:g} GPUs; the cluster "
                            f"has {cpus:g} CPUs and {gpus:g} GPUs in all, so this job could never start")
     return spec.model_copy(update={"storage": settings.runs_dir})

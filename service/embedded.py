@@ -18,8 +18,7 @@ class EmbeddedRay:
                  extra_env: dict[str, str] | None = None):
         self.gcs_address = f"127.0.0.1:{gcs_port}"
         self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
-        ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
-        self.cmd = [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
+        self.cmd = [_ray_bin(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
                     "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
                     "--disable-usage-stats", *(["--num-cpus", str(num_cpus)] if num_cpus else []),
                     # Its default port (52365) is taken when another Ray runs on this machine.
@@ -33,13 +32,47 @@ class EmbeddedRay:
                     # Job entrypoints run with the head's environment: give them this interpreter.
                     "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}", **(extra_env or {})}
 
+    @classmethod
+    def worker_node(cls, gcs_address: str, *, num_cpus: int, resources: dict[str, float], log_path: str,
+                    env: dict[str, str]) -> EmbeddedRay:
+        """Another node joining the head at `gcs_address`, on this machine: what a
+        multi-node test adds and removes (stopping its process group is that node dying)."""
+        import json
+
+        node = cls.__new__(cls)
+        node.gcs_address, node.dashboard_url, node.log_path, node.proc, node.env = gcs_address, None, log_path, None, env
+        node.cmd = [_ray_bin(), "start", "--block", "--address", gcs_address, "--node-ip-address", "127.0.0.1",
+                    "--num-cpus", str(num_cpus), "--resources", json.dumps(resources), "--disable-usage-stats",
+                    # Nodes on one machine must not share ports: left to Ray, two clash.
+                    *[arg for flag in ("--dashboard-agent-listen-port", "--metrics-export-port",
+                                       "--runtime-env-agent-port", "--node-manager-port", "--object-manager-port",
+                                       "--dashboard-agent-grpc-port")
+                      for arg in (flag, str(_free_port()))]]
+        return node
+
     def start(self, timeout: float = 120) -> None:
         env = {**os.environ, **self.env}
         env.pop("RAY_ADDRESS", None)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
-        self._wait_ready(timeout)
+        if self.dashboard_url:
+            self._wait_ready(timeout)
+        else:
+            self._wait_joined(timeout)
+
+    def _wait_joined(self, timeout: float) -> None:
+        """`ray start` says so once the node has registered with the head."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            with open(self.log_path, "rb") as log:
+                if b"Ray runtime started" in log.read():
+                    return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"Ray node exited with code {self.proc.returncode}; see {self.log_path}")
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"Ray node did not join in {timeout:.0f}s; see {self.log_path}")
 
     def _wait_ready(self, timeout: float) -> None:
         """The head answers once its job agent takes submissions, not when the GCS is up."""
@@ -72,6 +105,10 @@ class EmbeddedRay:
                 time.sleep(0.2)
             if not _group_alive(self.proc.pid):
                 return
+
+
+def _ray_bin() -> str:
+    return shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
 
 
 def _free_port() -> int:

@@ -96,6 +96,8 @@ def inject_fault(settings: Settings, gateway: Gateway, job: ledger.Job, rank: in
     if JobState(job.state) not in (JobState.RUNNING, JobState.RECOVERING):
         raise NotRunning(f"job {job.id} is {job.state}; faults need a RUNNING job")
     workers = job.spec_dict["workers"]
+    if isinstance(workers, dict):  # elastic: the ranks that may exist; the lookup below finds the live ones
+        workers = workers["max"]
     if rank is None:
         rank = random.randrange(workers)
     if not 0 <= rank < workers:

@@ -17,6 +17,9 @@ from workers.spec import JobSpec, absolute_paths, load_spec, write_spec_json
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC = 0, 1, 2
 POLL_ENV, POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
+# After a lost node Ray Train first asks for the old worker count again and waits this
+# long for it (default 60 s) before an elastic job settles for the workers that fit.
+START_TIMEOUT_ENV, ELASTIC_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15"
 
 
 def train_func(config: dict[str, Any]) -> None:
@@ -51,6 +54,13 @@ def _already_committed(checkpoint, _dir_name: str):
     return checkpoint
 
 
+def _replace_spec_json(spec: JobSpec) -> None:
+    staged = os.path.join(spec.run_dir, "spec.json.new")
+    if os.path.exists(staged):  # left by a driver that died between the two steps
+        os.remove(staged)
+    os.replace(write_spec_json(spec, name="spec.json.new"), os.path.join(spec.run_dir, "spec.json"))
+
+
 class RunDirTaken(ValueError):
     """The run directory belongs to another spec with the same job_id: leave it alone."""
 
@@ -61,8 +71,16 @@ def prepare_run_dir(spec: JobSpec) -> str:
     if os.path.exists(path):
         with open(path) as f:
             existing = JobSpec.model_validate_json(f.read())
-        if existing != spec:
-            raise RunDirTaken(f"{spec.run_dir} already holds a different spec for job {spec.job_id}; use a new job_id")
+        # The worker count may change between runs of one job (resume a stopped job
+        # on fewer or more workers: sharded checkpoints reshard); nothing else may.
+        if existing.model_copy(update={"workers": spec.workers}) != spec:
+            raise RunDirTaken(f"{spec.run_dir} already holds a different spec for job {spec.job_id}; use a new job_id "
+                              "(only the worker count may change when a job is run again)")
+        if existing.workers != spec.workers:
+            events.emit(spec.run_dir, "workers_changed", old=existing.model_dump()["workers"],
+                        new=spec.model_dump()["workers"])
+            _replace_spec_json(spec)
+            return spec.run_dir
     write_spec_json(spec)
     return spec.run_dir
 
@@ -98,6 +116,9 @@ def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]
         "recoveries": [
             {k: r.get(k) for k in ("failed_rank", "cause", "from_step", "lost_steps", "recovery_s")} for r in resumed
         ],
+        "world_size": attempts[-1].get("world_size") if attempts else None,
+        "resizes": [{k: r.get(k) for k in ("old_size", "new_size", "from_step")}
+                    for r in events.events(run_dir, "resized")],
         "wall_s": round(wall_s, 2),
         "weights_sha256": (finished or {}).get("weights_sha256"),
         "run_dir": run_dir,
@@ -115,7 +136,7 @@ def _ray_init(spec: JobSpec) -> None:
         return
     # A local cluster sized to the job: logical CPUs may exceed cores since each worker
     # runs with a fixed thread count (resources.cpu).
-    need = int(spec.workers * spec.resources.cpu) + 1
+    need = int(spec.max_workers * spec.resources.cpu) + 1
     # Ray Train's controller polls workers every 2 s by default; each poll takes one
     # reported checkpoint and notices failures, so poll faster (the local cluster's
     # processes inherit this; `etrain serve` sets it for its own head).
@@ -138,15 +159,21 @@ def run(spec: JobSpec) -> dict[str, Any]:
         print(notice, flush=True)
     note_lost_driver(run_dir)
     events.emit(run_dir, "job_started", pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS"))
+    if spec.elastic:
+        os.environ.setdefault(START_TIMEOUT_ENV, ELASTIC_START_TIMEOUT_S)
     _ray_init(spec)
     use_gpu = spec.resources.gpu > 0
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"spec": spec.model_dump(mode="json")},
         scaling_config=ScalingConfig(
-            num_workers=spec.workers,
+            # (min, max): Ray Train starts with what fits, restarts smaller after a lost
+            # node, and grows back (a restart from the newest checkpoint) when it can.
+            num_workers=(spec.workers.min, spec.workers.max) if spec.elastic else spec.workers,
+            elastic_resize_monitor_interval_s=spec.workers.resize_check_s if spec.elastic else 60.0,
             use_gpu=use_gpu,
-            resources_per_worker={"CPU": spec.resources.cpu, **({"GPU": spec.resources.gpu} if use_gpu else {})},
+            resources_per_worker={"CPU": spec.resources.cpu, **({"GPU": spec.resources.gpu} if use_gpu else {}),
+                                  **spec.resources.custom},
         ),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=spec.failure.collective_timeout_s),
         run_config=RunConfig(

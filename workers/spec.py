@@ -14,9 +14,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MODELS = ("simple_cnn", "resnet18", "mlp", "custom")
-DATASETS = ("mnist", "fashion_mnist", "cifar10", "idx", "image_folder", "synthetic")
-STRATEGIES = ("ddp", "fsdp")
+MODELS = ("simple_cnn", "resnet18", "mlp", "gpt", "custom")
+IMAGE_DATASETS = ("mnist", "fashion_mnist", "cifar10", "idx", "image_folder", "synthetic")
+TEXT_DATASETS = ("python_source", "synthetic_tokens")
+DATASETS = IMAGE_DATASETS + TEXT_DATASETS
+STRATEGIES = ("ddp", "fsdp", "tensor", "pipeline", "hybrid")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -40,6 +43,10 @@ class _Part(BaseModel):
 class ModelSpec(_Part):
     name: Literal[MODELS] = Field("simple_cnn", description="Model architecture.")
     hidden: int = Field(128, ge=1, le=65536, description="Hidden width (mlp).")
+    layers: int = Field(4, ge=1, le=1024, description="gpt: transformer blocks.")
+    width: int = Field(128, ge=8, le=65536, description="gpt: model width (embedding size).")
+    heads: int = Field(4, ge=1, le=1024, description="gpt: attention heads; must divide width.")
+    context: int = Field(64, ge=2, le=65536, description="gpt: tokens per sample (context length).")
     factory: str | None = Field(
         None,
         description="For name=custom: 'module:function' returning an nn.Module; "
@@ -51,6 +58,8 @@ class ModelSpec(_Part):
     def _custom_needs_factory(self) -> ModelSpec:
         if self.name == "custom" and not self.factory:
             raise ValueError("model.factory ('module:function') is required when model.name is 'custom'")
+        if self.name == "gpt" and self.width % self.heads:
+            raise ValueError(f"model.heads ({self.heads}) must divide model.width ({self.width})")
         return self
 
 
@@ -70,6 +79,12 @@ class DatasetSpec(_Part):
     channels: int = Field(1, ge=1, le=16, description="synthetic: image channels.")
     image_size: int = Field(28, ge=8, le=1024, description="synthetic/image_folder: side in pixels.")
     noise: float = Field(1.0, ge=0.0, le=100.0, description="synthetic: noise around class prototypes.")
+    vocab_size: int = Field(
+        64, ge=2, le=1_000_000, description="synthetic_tokens: number of distinct tokens."
+    )
+    max_chars: int = Field(
+        2_000_000, ge=1000, le=1_000_000_000, description="python_source: characters of corpus to read."
+    )
     fallback_to_synthetic: bool = Field(
         False, description="If the files are missing, train on the synthetic set instead (with a notice)."
     )
@@ -86,6 +101,10 @@ class DatasetSpec(_Part):
 class ResourcesSpec(_Part):
     cpu: float = Field(1.0, gt=0, le=1024, description="CPUs per worker (also its thread count).")
     gpu: float = Field(0.0, ge=0, le=64, description="GPUs per worker; >0 selects NCCL.")
+    custom: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][\w.-]{0,63}$")], Annotated[float, Field(gt=0, le=1e6)]] = Field(
+        default_factory=dict, max_length=16,
+        description="Ray custom resources per worker, e.g. {'trainer_node': 1} to run only on nodes that offer it.",
+    )
 
 
 class TrainingSpec(_Part):
@@ -101,6 +120,10 @@ class TrainingSpec(_Part):
     step_size: int = Field(100, ge=1, description="schedule=step: steps between decays.")
     gamma: float = Field(0.1, gt=0, le=1, description="schedule=step: decay factor.")
     seed: int = Field(0, ge=0, le=2**31 - 1)
+    micro_batch_size: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Largest batch one worker runs forward at once; bigger shares accumulate gradients.",
+    )
     eval_batch_size: int = Field(512, ge=1, le=1_000_000)
 
     @model_validator(mode="after")
@@ -126,6 +149,36 @@ class FsdpSpec(_Part):
     cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
 
 
+class ParallelSpec(_Part):
+    """Model-parallel degrees. Data parallel takes whatever of the workers is left."""
+
+    tensor: int = Field(1, ge=1, le=4096, description="Ranks each layer's weights are split across (tensor, hybrid).")
+    pipeline: int = Field(1, ge=1, le=4096, description="Pipeline stages the layers are split into (pipeline, hybrid).")
+    shard: int | None = Field(
+        None, ge=1, le=4096,
+        description="hybrid without tensor/pipeline: HSDP, shard within groups of this many ranks, replicate across groups.",
+    )
+    microbatches: int = Field(4, ge=1, le=4096, description="pipeline: microbatches per step.")
+    schedule: Literal[PIPELINE_SCHEDULES] = Field("1f1b", description="pipeline: gpipe or 1f1b.")
+    async_checkpoint: bool = Field(
+        False, description="Sharded strategies: write checkpoints in the background; training goes on meanwhile."
+    )
+
+
+class ElasticWorkers(_Part):
+    min: int = Field(..., ge=1, le=4096, description="Start as soon as this many workers fit; never fewer.")
+    max: int = Field(..., ge=1, le=4096, description="Grow to this many workers when resources allow.")
+    resize_check_s: float = Field(
+        10.0, ge=1, le=3600, description="How often a running job checks whether more workers would now fit."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ElasticWorkers:
+        if self.min > self.max:
+            raise ValueError(f"workers.min ({self.min}) is larger than workers.max ({self.max})")
+        return self
+
+
 class FaultSpec(_Part):
     at_step: int = Field(..., ge=1, description="Fire while running this step (1-based).")
     rank: int = Field(0, ge=0, description="World rank that fails.")
@@ -133,6 +186,68 @@ class FaultSpec(_Part):
     phase: Literal["step", "checkpoint"] = Field(
         "step", description="checkpoint: fire while the checkpoint of at_step is being written."
     )
+
+
+def parallel_error(spec: JobSpec, world: int) -> str | None:
+    """Why `world` workers cannot run the spec's strategy and degrees, or None.
+    Checked when the spec is parsed, so a bad mesh never reaches a worker."""
+    p, strategy = spec.parallel, spec.strategy
+    if strategy in ("ddp", "fsdp") and (p.tensor > 1 or p.pipeline > 1 or p.shard):
+        return (f"parallel.tensor, parallel.pipeline and parallel.shard apply to the tensor, pipeline and hybrid "
+                f"strategies; strategy {strategy!r} uses every worker for data parallelism")
+    if strategy in ("tensor", "pipeline", "hybrid") and spec.model.name != "gpt":
+        return f"strategy {strategy!r} splits a transformer's layers: it needs model 'gpt', not {spec.model.name!r}"
+    if spec.precision == "fp16" and (strategy in ("tensor", "pipeline") or p.tensor > 1 or p.pipeline > 1):
+        # GradScaler cannot unscale a mix of split (DTensor) and whole gradients, and a
+        # pipeline's stages would each need to agree on every skipped step.
+        return (f"precision 'fp16' needs loss scaling, which works with ddp, fsdp and HSDP only; "
+                f"use precision 'bf16' with strategy {strategy!r} (same speed-up, no scaling needed)")
+    if strategy == "tensor":
+        if p.pipeline > 1 or p.shard:
+            return "strategy 'tensor' splits layers only: parallel.pipeline and parallel.shard need strategy 'hybrid'"
+        if p.tensor not in (1, world):
+            return (f"strategy 'tensor' splits every layer across all workers: parallel.tensor ({p.tensor}) must "
+                    f"equal workers ({world}); for data parallel x tensor use strategy 'hybrid'")
+        return _tensor_error(spec, world)
+    if strategy == "pipeline":
+        if p.tensor > 1 or p.shard:
+            return "strategy 'pipeline' splits layers into stages only: parallel.tensor and parallel.shard need 'hybrid'"
+        if p.pipeline not in (1, world):
+            return (f"strategy 'pipeline' makes one stage per worker: parallel.pipeline ({p.pipeline}) must equal "
+                    f"workers ({world}); for data parallel x pipeline use strategy 'hybrid'")
+        return _pipeline_error(spec, stages=world, data=1)
+    if strategy == "hybrid":
+        chosen = [name for name, on in (("tensor", p.tensor > 1), ("pipeline", p.pipeline > 1),
+                                        ("shard", p.shard is not None)) if on]
+        if len(chosen) != 1:
+            return ("strategy 'hybrid' is data parallel times exactly one of parallel.tensor > 1, "
+                    f"parallel.pipeline > 1 or parallel.shard (HSDP); got {', '.join(chosen) or 'none'}")
+        degree = p.tensor * p.pipeline if p.shard is None else p.shard
+        if world % degree:
+            return (f"the degrees must multiply to the worker count: parallel.{chosen[0]} ({degree}) does not divide "
+                    f"workers ({world}), so no whole number of data-parallel groups fits")
+        if p.tensor > 1:
+            return _tensor_error(spec, p.tensor)
+        if p.pipeline > 1:
+            return _pipeline_error(spec, stages=p.pipeline, data=world // p.pipeline)
+    return None
+
+
+def _tensor_error(spec: JobSpec, tp: int) -> str | None:
+    if spec.model.heads % tp or (4 * spec.model.width) % tp:
+        return (f"tensor parallel degree {tp} must divide model.heads ({spec.model.heads}) so each rank "
+                f"holds whole attention heads")
+    return None
+
+
+def _pipeline_error(spec: JobSpec, *, stages: int, data: int) -> str | None:
+    if spec.model.layers < stages:
+        return f"{stages} pipeline stages need at least as many model.layers, got {spec.model.layers}"
+    share = spec.training.global_batch_size // data
+    if spec.training.global_batch_size % data or share % spec.parallel.microbatches:
+        return (f"each pipeline's batch (global_batch_size {spec.training.global_batch_size} / {data} data-parallel "
+                f"groups) must split into parallel.microbatches ({spec.parallel.microbatches}) equal parts")
+    return None
 
 
 def _name_shorthand(value: Any) -> Any:
@@ -149,10 +264,16 @@ class JobSpec(_Part):
     model: Annotated[ModelSpec, Field(default_factory=ModelSpec)]
     dataset: Annotated[DatasetSpec, Field(default_factory=DatasetSpec)]
     strategy: Literal[STRATEGIES] = Field(
-        "ddp", description="ddp: whole model on every worker; fsdp: parameters, gradients and optimizer sharded."
+        "ddp",
+        description="ddp: whole model on every worker; fsdp: parameters, gradients and optimizer sharded; "
+        "tensor: every layer split across workers; pipeline: layers split into stages; "
+        "hybrid: data parallel x tensor or pipeline (2-D mesh), or HSDP (replicate x shard).",
     )
     fsdp: Annotated[FsdpSpec, Field(default_factory=FsdpSpec)]
-    workers: int = Field(2, ge=1, le=4096, description="Number of training workers.")
+    parallel: Annotated[ParallelSpec, Field(default_factory=ParallelSpec)]
+    workers: Annotated[int, Field(ge=1, le=4096)] | ElasticWorkers = Field(
+        2, description="Number of training workers, or {min, max} for an elastic job."
+    )
     resources: Annotated[ResourcesSpec, Field(default_factory=ResourcesSpec)]
     training: Annotated[TrainingSpec, Field(default_factory=TrainingSpec)]
     precision: Literal[PRECISIONS] = Field(
@@ -168,20 +289,43 @@ class JobSpec(_Part):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
-        if self.training.global_batch_size % self.workers:
+        # An elastic job may run at any size in its range, so each must fit the mesh.
+        for size in range(self.min_workers, self.max_workers + 1):
+            mesh_error = parallel_error(self, size)
+            if mesh_error:
+                raise ValueError(f"with {size} workers: {mesh_error}" if self.elastic else mesh_error)
+        if self.training.global_batch_size < self.max_workers:
             raise ValueError(
-                f"training.global_batch_size ({self.training.global_batch_size}) must be divisible "
-                f"by workers ({self.workers}) so every worker gets the same share"
+                f"training.global_batch_size ({self.training.global_batch_size}) is smaller than the "
+                f"{self.max_workers} workers: every worker needs at least one sample per step"
+            )
+        text = self.dataset.name in TEXT_DATASETS
+        if text != (self.model.name == "gpt") and self.model.name != "custom":
+            raise ValueError(
+                f"model {self.model.name!r} does not fit dataset {self.dataset.name!r}: gpt trains on "
+                f"{' or '.join(TEXT_DATASETS)}, image models on {', '.join(IMAGE_DATASETS)}"
             )
         for fault in self.faults:
-            if fault.rank >= self.workers:
-                raise ValueError(f"faults: rank {fault.rank} does not exist with {self.workers} workers")
+            if fault.rank >= self.max_workers:
+                raise ValueError(f"faults: rank {fault.rank} does not exist with {self.max_workers} workers")
             if fault.phase == "checkpoint" and fault.at_step % self.checkpoint.every_steps:
                 raise ValueError(
                     f"faults: phase 'checkpoint' at_step {fault.at_step} is not a checkpoint step "
                     f"(checkpoint.every_steps is {self.checkpoint.every_steps})"
                 )
         return self
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.workers, ElasticWorkers)
+
+    @property
+    def min_workers(self) -> int:
+        return self.workers.min if self.elastic else self.workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.workers.max if self.elastic else self.workers
 
     @property
     def run_dir(self) -> str:
@@ -217,10 +361,10 @@ def absolute_paths(spec: JobSpec, base: str | os.PathLike | None = None) -> JobS
     return spec.model_copy(update={"storage": fix(spec.storage), "dataset": dataset})
 
 
-def write_spec_json(spec: JobSpec) -> str:
+def write_spec_json(spec: JobSpec, name: str = "spec.json") -> str:
     """Write <run dir>/spec.json once, atomically (fsync, then rename); return its path.
     It is immutable: an existing file is left as it is."""
-    path = os.path.join(spec.run_dir, "spec.json")
+    path = os.path.join(spec.run_dir, name)
     if os.path.exists(path):
         return path
     os.makedirs(spec.run_dir, exist_ok=True)

@@ -141,7 +141,9 @@ BAD_SPECS = [
     ({"max_step": 3}, "max_step", ["not permitted"]),
     ({"job_id": "../../etc"}, "job_id", ["pattern"]),
     ({"precision": "fp8"}, "precision", ["fp32", "bf16", "fp16"]),
-    ({"training": {"global_batch_size": 9}}, "global_batch_size", ["divisible", "workers"]),
+    ({"training": {"global_batch_size": 1}}, "global_batch_size", ["smaller than", "workers"]),
+    ({"model": "gpt", "dataset": "synthetic_tokens", "strategy": "hybrid", "workers": 4, "parallel": {"tensor": 3}},
+     "body", ["degrees must multiply", "parallel.tensor (3)", "workers (4)"]),
     ({"faults": [{"at_step": 1, "rank": 5, "kind": "crash"}]}, "faults", ["rank 5"]),
     ({"faults": [{"at_step": 1, "kind": "meteor"}]}, "faults.0.kind", ["crash", "exception", "hang"]),
 ]

@@ -6,7 +6,7 @@ import os
 import yaml
 
 from workers import events
-from workers.run import EXIT_BAD_SPEC, main
+from workers.run import EXIT_BAD_SPEC, main, prepare_run_dir
 from workers.spec import absolute_paths, load_spec
 
 
@@ -30,10 +30,21 @@ def test_a_different_spec_under_a_taken_job_id_leaves_that_run_alone(tmp_path, c
     os.makedirs(run_dir)
     first = absolute_paths(load_spec(spec_file(tmp_path, workers=1)))
     (run_dir / "spec.json").write_text(first.model_dump_json())
-    assert main([str(spec_file(tmp_path, workers=2))]) == EXIT_BAD_SPEC
+    assert main([str(spec_file(tmp_path, workers=1, precision="bf16"))]) == EXIT_BAD_SPEC
     assert "already holds a different spec" in capsys.readouterr().err
     assert events.events(str(run_dir)) == []
-    assert json.loads((run_dir / "spec.json").read_text())["workers"] == 1
+    assert json.loads((run_dir / "spec.json").read_text())["precision"] == "fp32"
+
+
+def test_a_job_may_run_again_on_another_worker_count(tmp_path):
+    """Stopped on 4 workers, resumed on 2: the one change a rerun may make."""
+    spec = absolute_paths(load_spec(spec_file(tmp_path, workers=4)))
+    prepare_run_dir(spec)
+    again = spec.model_copy(update={"workers": 2})
+    prepare_run_dir(again)
+    assert json.loads((tmp_path / "runs" / "j1" / "spec.json").read_text())["workers"] == 2
+    (changed,) = events.events(spec.run_dir, "workers_changed")
+    assert (changed["old"], changed["new"]) == (4, 2)
 
 
 def test_invalid_spec_file_is_one_line(tmp_path, capsys):

@@ -89,9 +89,19 @@ def test_different_seeds_give_different_orders():
     assert not torch.equal(a, b)
 
 
-def test_global_batch_not_divisible_by_world_size_is_rejected():
-    with pytest.raises(ValueError, match=r"global batch 10 is not divisible by world size 4"):
-        ResumableDistributedSampler(100, 10, rank=0, world_size=4, seed=0)
+def test_a_world_size_that_does_not_divide_the_batch_still_covers_it_once():
+    """Elastic jobs run at sizes that need not divide the global batch: shares differ by
+    at most one sample and together are exactly the batch of one process."""
+    whole = [idx for _, idx in ResumableDistributedSampler(100, 10, rank=0, world_size=1, seed=3).batches(0)]
+    shares = [list(ResumableDistributedSampler(100, 10, rank=r, world_size=4, seed=3).batches(0)) for r in range(4)]
+    assert [len(s[0][1]) for s in shares] == [2, 3, 2, 3]
+    for k, batch in enumerate(whole):
+        assert torch.cat([s[k][1] for s in shares]).tolist() == batch.tolist()
+
+
+def test_world_larger_than_the_global_batch_is_rejected():
+    with pytest.raises(ValueError, match=r"global batch 3 is smaller than the world size 4"):
+        ResumableDistributedSampler(100, 3, rank=0, world_size=4, seed=0)
 
 
 def test_fewer_samples_than_one_global_batch_is_rejected():

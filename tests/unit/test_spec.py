@@ -101,12 +101,11 @@ def test_extra_or_misspelled_keys_are_rejected(data, loc):
     assert [(e["loc"], e["type"]) for e in errors] == [(loc, "extra_forbidden")]
 
 
-def test_global_batch_not_divisible_by_workers_is_rejected():
+def test_global_batch_smaller_than_workers_is_rejected():
     with pytest.raises(ValidationError) as info:
-        JobSpec.model_validate({"workers": 3, "training": {"global_batch_size": 64}})
+        JobSpec.model_validate({"workers": {"min": 2, "max": 8}, "training": {"global_batch_size": 4}})
     message = str(info.value)
-    assert "global_batch_size (64)" in message
-    assert "divisible by workers (3)" in message
+    assert "global_batch_size (4) is smaller than the 8 workers" in message
 
 
 def test_global_batch_divisible_by_workers_is_accepted():
@@ -234,3 +233,55 @@ def test_absolute_paths_defaults_to_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     fixed = absolute_paths(JobSpec.model_validate({"storage": "here"}))
     assert fixed.storage == str(tmp_path.resolve() / "here")
+
+
+GPT = {"model": {"name": "gpt", "heads": 4}, "dataset": "synthetic_tokens"}
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"strategy": "hybrid", "workers": 4, "parallel": {"tensor": 3}},
+     "the degrees must multiply to the worker count: parallel.tensor (3) does not divide workers (4)"),
+    ({"strategy": "hybrid", "workers": 6, "parallel": {"pipeline": 4}},
+     "parallel.pipeline (4) does not divide workers (6)"),
+    ({"strategy": "hybrid", "workers": 4, "parallel": {"shard": 3}}, "parallel.shard (3) does not divide workers (4)"),
+    ({"strategy": "hybrid", "workers": 4, "parallel": {"tensor": 2, "pipeline": 2}}, "exactly one of"),
+    ({"strategy": "hybrid", "workers": 4}, "exactly one of"),
+    ({"strategy": "tensor", "workers": 4, "parallel": {"tensor": 2}}, "parallel.tensor (2) must equal workers (4)"),
+    ({"strategy": "tensor", "workers": 8}, "tensor parallel degree 8 must divide model.heads (4)"),
+    ({"strategy": "pipeline", "workers": 8}, "8 pipeline stages need at least as many model.layers, got 4"),
+    ({"strategy": "pipeline", "workers": 2, "parallel": {"microbatches": 3}}, "parallel.microbatches (3)"),
+    ({"strategy": "ddp", "workers": 4, "parallel": {"tensor": 2}}, "uses every worker for data parallelism"),
+    ({"strategy": "tensor", "workers": 2, "precision": "fp16"}, "use precision 'bf16'"),
+    ({"strategy": "hybrid", "workers": {"min": 2, "max": 4}, "parallel": {"tensor": 2}},
+     "with 3 workers: the degrees must multiply"),
+])
+def test_meshes_that_cannot_work_are_refused_saying_why(fields, words):
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({**GPT, **fields})
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("fields", [
+    {"strategy": "tensor", "workers": 4},
+    {"strategy": "pipeline", "workers": 2, "parallel": {"schedule": "gpipe", "microbatches": 8}},
+    {"strategy": "hybrid", "workers": 8, "parallel": {"tensor": 2}},
+    {"strategy": "hybrid", "workers": 4, "parallel": {"pipeline": 2}},
+    {"strategy": "hybrid", "workers": 4, "parallel": {"shard": 2}, "precision": "fp16"},
+    {"strategy": "fsdp", "workers": {"min": 1, "max": 3}, "parallel": {"async_checkpoint": True}},
+])
+def test_meshes_that_fit_are_accepted(fields):
+    JobSpec.model_validate({**GPT, **fields})
+
+
+def test_model_and_dataset_must_fit_each_other():
+    with pytest.raises(ValidationError, match="model 'gpt' does not fit dataset 'mnist'"):
+        JobSpec.model_validate({"model": "gpt", "dataset": "mnist"})
+    with pytest.raises(ValidationError, match="strategy 'tensor' splits a transformer's layers"):
+        JobSpec.model_validate({"model": "simple_cnn", "strategy": "tensor"})
+
+
+def test_elastic_workers_are_a_range():
+    spec = JobSpec.model_validate({"workers": {"min": 1, "max": 4}})
+    assert (spec.elastic, spec.min_workers, spec.max_workers) == (True, 1, 4)
+    with pytest.raises(ValidationError, match=r"workers.min \(3\) is larger than workers.max \(2\)"):
+        JobSpec.model_validate({"workers": {"min": 3, "max": 2}})

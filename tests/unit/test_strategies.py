@@ -22,9 +22,9 @@ def test_registry_refuses_duplicates_and_names_the_known_ones():
         strategies.register(Again)
 
     class Spec:
-        strategy = "pipeline"
+        strategy = "zero3"
 
-    with pytest.raises(ValueError, match="unknown strategy 'pipeline'; known: ddp, fsdp"):
+    with pytest.raises(ValueError, match="unknown strategy 'zero3'; known: ddp, fsdp, hybrid, pipeline, tensor"):
         strategies.build(Spec())
 
 

@@ -1,4 +1,5 @@
-"""Datasets by name: torchvision sets, users' own files, and a synthetic set.
+"""Datasets by name: torchvision sets, users' own files, a synthetic set, and token
+sets for gpt (text.py).
 
 Every source ends as an `ImageSet`: `len()` and `batch(indices) -> (x, y)`. Sets that
 fit in memory are held as tensors so a batch is one indexing operation, not a Python
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.data import text
 from workers.data.idx import read_idx
 from workers.data.synthetic import synthetic
-from workers.spec import DatasetSpec
+from workers.spec import TEXT_DATASETS, DatasetSpec
 
 
 class DatasetUnavailable(RuntimeError):
@@ -131,6 +133,20 @@ def _synthetic(spec: DatasetSpec, seed: int, notice: str | None = None) -> Split
     return splits
 
 
+def _tokens(spec: DatasetSpec, seed: int, context: int) -> Splits:
+    """Held-out samples are the tail of the corpus, not a random draw: neighbouring
+    windows of one file share so much text that a random split would leak."""
+    if spec.name == "synthetic_tokens":
+        samples, vocab = text.synthetic_tokens(size=spec.size, vocab_size=spec.vocab_size, context=context,
+                                               seed=seed), spec.vocab_size
+    else:
+        samples = text.windows(text.encode(text.python_source(spec.root, spec.max_chars)), context)
+        vocab = text.VOCAB_SIZE
+    n_val = int(round(len(samples) * spec.val_fraction))
+    train, val = samples[: len(samples) - n_val], samples[len(samples) - n_val :]
+    return Splits(ImageSet(train[:, :-1], train[:, 1:]), ImageSet(val[:, :-1], val[:, 1:]), 1, vocab, context)
+
+
 def check_available(spec: DatasetSpec) -> str | None:
     """Fail fast, before any worker starts, when files are missing. Returns a notice
     when the spec falls back to the synthetic set."""
@@ -146,6 +162,8 @@ def check_available(spec: DatasetSpec) -> str | None:
         missing = [p for p in (spec.images, spec.labels) if not os.path.isfile(p)]
     elif spec.name == "image_folder" and not os.path.isdir(spec.root):
         missing = [spec.root]
+    elif spec.name == "python_source" and not os.path.isdir(spec.root or text.source_root()):
+        missing = [spec.root or text.source_root()]
     if not missing:
         return None
     if spec.fallback_to_synthetic:
@@ -153,10 +171,17 @@ def check_available(spec: DatasetSpec) -> str | None:
     raise DatasetUnavailable(f"dataset {spec.name!r}: {', '.join(missing)} not found; put the files there")
 
 
-def load(spec: DatasetSpec, seed: int) -> Splits:
+def load(spec: DatasetSpec, seed: int, context: int = 64) -> Splits:
+    """`context`: tokens per sample, for the token sets."""
     notice = check_available(spec)
+    if notice and spec.name in TEXT_DATASETS:
+        splits = _tokens(spec.model_copy(update={"name": "synthetic_tokens"}), seed, context)
+        splits.notice = notice.replace("the synthetic dataset", "synthetic tokens")
+        return splits
     if notice:
         return _synthetic(spec, seed, notice)
+    if spec.name in TEXT_DATASETS:
+        return _tokens(spec, seed, context)
     if spec.name == "synthetic":
         return _synthetic(spec, seed)
     if spec.name == "idx":

@@ -3,7 +3,8 @@
 torch's DistributedSampler cannot start in the middle of an epoch. This one can: the
 data position (epoch, batch) is all it needs, so it is what the checkpoint stores.
 Step k of an epoch takes samples perm[k*G:(k+1)*G] of one seeded permutation and rank
-r the r-th slice of those, so the global batch is the same whatever the world size.
+r the r-th of W near-equal slices of those, so the global batch is the same whatever
+the world size, even one that does not divide it (an elastic job's).
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ class ResumableDistributedSampler:
     def __init__(self, num_samples: int, global_batch: int, *, rank: int, world_size: int, seed: int):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
-        if global_batch % world_size:
-            raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
+        if global_batch < world_size:
+            raise ValueError(f"global batch {global_batch} is smaller than the world size {world_size}")
         if num_samples < global_batch:
             raise ValueError(f"the training set has {num_samples} samples, fewer than one global batch ({global_batch})")
         self.num_samples = num_samples
         self.global_batch = global_batch
-        self.local_batch = global_batch // world_size
+        # r*G//W, not r*(G//W): slices differ by at most one sample when W does not divide G.
+        self.lo, self.hi = rank * global_batch // world_size, (rank + 1) * global_batch // world_size
+        self.local_batch = self.hi - self.lo
+        self.max_local_batch = -(-global_batch // world_size)
         self.rank = rank
         self.seed = seed
 
@@ -36,5 +40,5 @@ class ResumableDistributedSampler:
         """Yield (batch_index, this rank's sample indices) from batch `start` of `epoch`."""
         perm = self.permutation(epoch)
         for k in range(start, self.steps_per_epoch):
-            lo = k * self.global_batch + self.rank * self.local_batch
-            yield k, perm[lo : lo + self.local_batch]
+            base = k * self.global_batch
+            yield k, perm[base + self.lo : base + self.hi]

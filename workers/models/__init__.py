@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
+from workers.models.gpt import gpt
 from workers.models.mlp import mlp
 from workers.models.resnet import resnet18
 from workers.models.simple_cnn import simple_cnn
@@ -14,7 +15,7 @@ from workers.spec import ModelSpec
 
 Builder = Callable[..., nn.Module]
 
-REGISTRY: dict[str, Builder] = {"simple_cnn": simple_cnn, "resnet18": resnet18, "mlp": mlp}
+REGISTRY: dict[str, Builder] = {"simple_cnn": simple_cnn, "resnet18": resnet18, "mlp": mlp, "gpt": gpt}
 
 
 def _custom(factory: str) -> Builder:
@@ -30,4 +31,6 @@ def build_model(spec: ModelSpec, *, in_channels: int, num_classes: int, image_si
     kwargs = {"in_channels": in_channels, "num_classes": num_classes, "image_size": image_size}
     if spec.name == "mlp":
         kwargs["hidden"] = spec.hidden
+    if spec.name == "gpt":
+        kwargs.update(layers=spec.layers, width=spec.width, heads=spec.heads, context=spec.context)
     return builder(**kwargs)

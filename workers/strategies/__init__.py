@@ -6,6 +6,9 @@ from __future__ import annotations
 from workers.strategies.base import Strategy
 from workers.strategies.ddp import DDP
 from workers.strategies.fsdp import FSDP
+from workers.strategies.hybrid import Hybrid
+from workers.strategies.pipeline import Pipeline
+from workers.strategies.tensor import TensorParallel
 
 REGISTRY: dict[str, type[Strategy]] = {}
 
@@ -17,7 +20,7 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-for _cls in (DDP, FSDP):
+for _cls in (DDP, FSDP, TensorParallel, Pipeline, Hybrid):
     register(_cls)
 
 

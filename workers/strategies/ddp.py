@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-import torch
+import contextlib
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -12,7 +13,11 @@ class DDP(Strategy):
 
     name = "ddp"
 
-    def wrap(self, model: nn.Module, device: torch.device, world_size: int) -> nn.Module:
-        if world_size == 1:
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.model = model
+        if self.world_size == 1:
             return model
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def no_sync(self, trained: nn.Module):
+        return trained.no_sync() if isinstance(trained, DistributedDataParallel) else contextlib.nullcontext()

@@ -1,66 +1,74 @@
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import torch
 from torch import nn
 
-from workers.strategies.base import Strategy
+from workers.strategies.sharded import Sharded
 
-class FSDP(Strategy):
-    """FSDP2: parameters, gradients and optimizer state sharded across ranks
-    (fully_shard per block, then the root). Checkpoints go through torch.distributed.checkpoint
-    (one file per rank plus .metadata, sealed by the run directory's manifest like any shard),
-    so a different number of ranks can load them."""
+
+class FSDP(Sharded):
+    """FSDP2: parameters, gradients and optimizer state sharded across ranks (fully_shard
+    per block, then the root). With `shard` < world size it is HSDP: shards within
+    groups of `shard` ranks, replicas across the groups (a 2-D mesh)."""
 
     name = "fsdp"
-    shards_parameters = True
 
-    def __init__(self, cpu_offload: bool = False, param_dtype: torch.dtype | None = None):
-        self.cpu_offload = cpu_offload
-        self.param_dtype = param_dtype
+    def __init__(self, cpu_offload: bool = False, param_dtype: torch.dtype | None = None, shard: int | None = None):
+        super().__init__()
+        self.cpu_offload, self.param_dtype, self.shard = cpu_offload, param_dtype, shard
 
     @classmethod
     def from_spec(cls, spec) -> FSDP:
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-        return cls(cpu_offload=spec.fsdp.cpu_offload, param_dtype=dtypes.get(spec.precision))
+        return cls(cpu_offload=spec.fsdp.cpu_offload, param_dtype=dtypes.get(spec.precision),
+                   shard=spec.parallel.shard)
 
-    def wrap(self, model: nn.Module, device: torch.device, world_size: int) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
 
         kwargs = {}
-        if self.cpu_offload:  # pin_memory needs a CUDA driver: on CPU-only machines, don't pin
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        if self.param_dtype is not None:  # compute in low precision, reduce gradients in fp32
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
-        for block in _blocks(model):
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+        if self.shard and self.shard < self.world_size:
+            kwargs["mesh"] = init_device_mesh(self.device.type, (self.world_size // self.shard, self.shard),
+                                              mesh_dim_names=("replicate", "shard"))
+        kwargs.update(fsdp_policies(self.device, self.cpu_offload, self.param_dtype))
+        shard_blocks(model, **kwargs)
+        self.model = model
         return model
 
-    def save_state(self, directory: str, model: nn.Module, optimizer) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def no_sync(self, trained: nn.Module):
+        return NoGradientSync(trained)
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        os.makedirs(directory, exist_ok=True)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory)
-        return {}
 
-    def load_state(self, directory: str, model: nn.Module, optimizer, state: dict[str, Any]) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+class NoGradientSync:
+    """FSDP2's counterpart of DDP's no_sync(): accumulate gradients locally."""
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        loaded = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(loaded, checkpoint_id=directory)  # reshards when the world size changed
-        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+    def __init__(self, module: nn.Module):
+        self.module = module
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def __enter__(self):
+        self.module.set_requires_gradient_sync(False)
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def __exit__(self, *exc):
+        self.module.set_requires_gradient_sync(True)
+
+
+def fsdp_policies(device: torch.device, cpu_offload: bool, param_dtype: torch.dtype | None) -> dict:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    kwargs = {}
+    if cpu_offload:  # pin_memory needs a CUDA driver: on CPU-only machines, don't pin
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    if param_dtype is not None:  # compute in low precision, reduce gradients in fp32
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    return kwargs
+
+
+def shard_blocks(model: nn.Module, **kwargs) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in _blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -69,6 +77,8 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     that hold parameters."""
     for attr in ("layers", "blocks", "h"):
         container = getattr(model, attr, None)
+        if isinstance(container, nn.ModuleDict):
+            return list(container.values())
         if isinstance(container, (nn.ModuleList, nn.Sequential)):
             return list(container)
     named = [getattr(model, f"layer{i}") for i in range(1, 5) if hasattr(model, f"layer{i}")]
