@@ -248,7 +248,7 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
                 step += 1
                 profiler.after(step)
                 loss_value = _mean_loss(local, strategy.owns_loss, world)
-                if pending and _all(strategy.wait_saved(block=False), world):
+                if pending and _all(strategy.wait_saved(block=False), world, device):
                     _commit(spec, env, pending)
                     pending = None
                 now = time.perf_counter()
@@ -362,10 +362,10 @@ def _mean_loss(local: torch.Tensor, owns_loss: bool, world: int) -> float:
     return (t[0] / t[1]).item()
 
 
-def _all(flag: bool, world: int) -> bool:
+def _all(flag: bool, world: int, device: torch.device) -> bool:
     if world == 1:
         return flag
-    t = torch.tensor([int(flag)])
+    t = torch.tensor([int(flag)], device=device)  # on the default group's device: NCCL takes no CPU tensors
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.ray
 
 def test_fsdp_stopped_on_four_workers_resumes_on_two(ray_cluster, tmp_path):
     # max_failures 0: the exception at step 13 stops the job, after step 10 was committed.
-    spec = gpt_spec("reshard", 4, [{"at_step": 13, "rank": 2, "kind": "exception"}], strategy="fsdp",
+    spec = gpt_spec("reshard", 4, [{"at_step": 13, "rank": 1, "kind": "exception"}], strategy="fsdp",
                     failure={"max_failures": 0, "collective_timeout_s": 10})
     stopped = run_job(ray_cluster, spec, tmp_path)
     assert stopped.rc == 1 and stopped.summary["final_step"] == 12, stopped.output[-3000:]
@@ -41,20 +41,24 @@ def test_fsdp_stopped_on_four_workers_resumes_on_two(ray_cluster, tmp_path):
     assert sum(losses[-5:]) < sum(losses[:5]) - 0.1  # and it keeps learning
 
 
-@pytest.mark.parametrize("strategy,precision", [("fsdp", "bf16"), ("ddp", "fp16")])
-def test_mixed_precision_trains_and_resumes(ray_cluster, tmp_path, strategy, precision):
-    fields = {"strategy": strategy, "precision": precision}
+def test_bf16_and_fp16_train_and_resume(ray_cluster, tmp_path):
+    """fsdp in bf16 (FSDP's mixed-precision policy) and ddp in fp16 (loss scaling), each a
+    crashed run beside its undisturbed twin: four 2-worker jobs at once."""
     crash = [{"at_step": 14, "rank": 1, "kind": "crash"}]
-    started = [start_job(ray_cluster, gpt_spec(f"{precision}-twin", 2, **fields), tmp_path),
-               start_job(ray_cluster, gpt_spec(f"{precision}-crash", 2, crash, **fields), tmp_path)]
-    twin, crashed = [finish(proc, run_dir, timeout=400) for proc, run_dir in started]
-    assert twin.rc == 0 and crashed.rc == 0, crashed.output[-3000:]
-    assert crashed.summary["restarts"] == 1
-    # Bit-identical: autocast is deterministic, and for fp16 the loss scale (which decides
-    # which steps are skipped) is restored from the checkpoint.
-    assert crashed.summary["weights_sha256"] == twin.summary["weights_sha256"]
-    losses = [m["loss"] for m in events.metrics(str(twin.run_dir))]
-    assert sum(losses[-5:]) < sum(losses[:5]) - 0.1
+    runs = {}
+    for strategy, precision in (("fsdp", "bf16"), ("ddp", "fp16")):
+        fields = {"strategy": strategy, "precision": precision}
+        runs[precision] = [start_job(ray_cluster, gpt_spec(f"{precision}-twin", 2, **fields), tmp_path),
+                           start_job(ray_cluster, gpt_spec(f"{precision}-crash", 2, crash, **fields), tmp_path)]
+    for precision, started in runs.items():
+        twin, crashed = [finish(proc, run_dir, timeout=400) for proc, run_dir in started]
+        assert twin.rc == 0 and crashed.rc == 0, (precision, crashed.output[-3000:])
+        assert crashed.summary["restarts"] == 1
+        # Bit-identical: autocast is deterministic, and for fp16 the loss scale (which
+        # decides which steps are skipped) is restored from the checkpoint.
+        assert crashed.summary["weights_sha256"] == twin.summary["weights_sha256"], precision
+        losses = [m["loss"] for m in events.metrics(str(twin.run_dir))]
+        assert sum(losses[-5:]) < sum(losses[:5]) - 0.1, (precision, losses)
 
 
 def test_inconsistent_degrees_are_refused_before_any_worker(ray_cluster, tmp_path):

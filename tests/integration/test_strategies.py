@@ -73,46 +73,63 @@ def gpt_spec(job_id: str, workers: int, faults: list[dict] | None = None, **fiel
     }
 
 
+# (workers, spec fields, whether an undisturbed twin runs beside the crashed run). With a
+# twin: its losses match one process and the crashed run ends bit-identical to it. Without
+# (to keep the suite short): the crashed run's own losses, resumed at step 10, match one
+# process; hybrid's bit-identical resume is shown by its pipeline variant.
 MODEL_PARALLEL = {
-    "tensor": (2, {"strategy": "tensor"}),
-    "pipeline-1f1b": (2, {"strategy": "pipeline", "parallel": {"schedule": "1f1b", "microbatches": 4}}),
-    "hybrid-dp-tp": (4, {"strategy": "hybrid", "parallel": {"tensor": 2}}),
-    "hybrid-dp-pp-gpipe": (4, {"strategy": "hybrid", "parallel": {"pipeline": 2, "schedule": "gpipe", "microbatches": 2}}),
-    "hsdp-async-checkpoint": (4, {"strategy": "hybrid", "parallel": {"shard": 2, "async_checkpoint": True}}),
+    "tensor": (2, {"strategy": "tensor"}, True),
+    "pipeline-1f1b": (2, {"strategy": "pipeline", "parallel": {"schedule": "1f1b", "microbatches": 4}}, True),
+    "hybrid-dp-pp-gpipe": (4, {"strategy": "hybrid", "parallel": {"pipeline": 2, "schedule": "gpipe",
+                                                                  "microbatches": 2}}, True),
+    "hybrid-dp-tp": (4, {"strategy": "hybrid", "parallel": {"tensor": 2}}, False),
+    "hsdp-async-checkpoint": (4, {"strategy": "hybrid", "parallel": {"shard": 2, "async_checkpoint": True}}, False),
 }
 
 
 @pytest.fixture(scope="module", params=list(MODEL_PARALLEL))
 def model_parallel(request, ray_cluster, tmp_path_factory):
-    """(name, spec fields, undisturbed twin, run with a crash at step 14 on the last rank)."""
-    workers, fields = MODEL_PARALLEL[request.param]
+    """(name, spec, undisturbed twin or None, run with a crash at step 14 on the last rank)."""
+    workers, fields, with_twin = MODEL_PARALLEL[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     crash = [{"at_step": 14, "rank": workers - 1, "kind": "crash"}]
-    started = [start_job(ray_cluster, gpt_spec(f"{request.param}-twin", workers, **fields), tmp),
-               start_job(ray_cluster, gpt_spec(f"{request.param}-crash", workers, crash, **fields), tmp)]
-    twin, crashed = [finish(proc, run_dir, timeout=400) for proc, run_dir in started]
-    assert twin.rc == 0, twin.output[-3000:]
-    assert crashed.rc == 0, crashed.output[-3000:]
+    # Side by side: 8 logical CPUs hold both, and Ray's fixed costs overlap.
+    started = [start_job(ray_cluster, gpt_spec(f"{request.param}-crash", workers, crash, **fields), tmp)]
+    if with_twin:
+        started.append(start_job(ray_cluster, gpt_spec(f"{request.param}-twin", workers, **fields), tmp))
+    crashed, twin = [finish(proc, run_dir, timeout=400) for proc, run_dir in started] + [None] * (not with_twin)
+    for outcome in (crashed, twin):
+        assert outcome is None or outcome.rc == 0, outcome.output[-3000:]
     return request.param, gpt_spec("x", workers, **fields), twin, crashed
 
 
+def final_lineage_losses(outcome) -> list[float]:
+    """Loss per step of the steps the final weights came from: a resumed attempt's steps
+    replace those its predecessor ran past the checkpoint."""
+    by_step = {}
+    for m in events.metrics(str(outcome.run_dir)):
+        by_step[m["step"]] = m["loss"]  # later attempts come later in the file
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def test_model_parallel_losses_match_one_process(model_parallel, tmp_path):
-    name, spec, twin, _ = model_parallel
-    distributed = [m["loss"] for m in events.metrics(str(twin.run_dir))]
+    name, spec, twin, crashed = model_parallel
+    distributed = final_lineage_losses(twin or crashed)
     single = single_process_losses(tmp_path, {**spec, "parallel": {}})
     assert len(distributed) == len(single) == 20
     # Split layers add partial sums (tensor), reduce shards (FSDP) or average micro-batches
     # (pipeline) in another order than one process: float32 rounding, ~1e-7 relative a
     # step; measured at most ~1e-6 after 20 steps. 1e-4 leaves room, and a real error
-    # (a wrong shard, a dropped micro-batch) moves the loss by far more from step 1.
+    # (a wrong shard, a dropped micro-batch, a bad resume) moves the loss by far more.
     assert max(abs(a - b) for a, b in zip(distributed, single)) < 1e-4, (name, distributed, single)
     assert sum(distributed[-5:]) < sum(distributed[:5]) - 0.1  # and it learns
 
 
-def test_model_parallel_crash_resumes_bit_identical(model_parallel):
+def test_model_parallel_crash_resumes(model_parallel):
     name, spec, twin, crashed = model_parallel
     assert crashed.summary["restarts"] == 1
-    assert crashed.summary["weights_sha256"] == twin.summary["weights_sha256"], name
+    if twin is not None:
+        assert crashed.summary["weights_sha256"] == twin.summary["weights_sha256"], name
     (resumed,) = crashed.events("resumed")
     assert (resumed["failed_rank"], resumed["from_step"], resumed["lost_steps"]) == (spec["workers"] - 1, 10, 3)
     files = set(os.listdir(crashed.run_dir / "checkpoints" / "step-000020"))

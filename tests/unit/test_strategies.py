@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch.distributed as dist
 
 from workers import strategies
 from workers.faults import InjectedFault
@@ -26,15 +25,6 @@ def test_registry_refuses_duplicates_and_names_the_known_ones():
 
     with pytest.raises(ValueError, match="unknown strategy 'zero3'; known: ddp, fsdp, hybrid, pipeline, tensor"):
         strategies.build(Spec())
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def fsdp_job(tmp_path, job_id, **fields) -> JobSpec:

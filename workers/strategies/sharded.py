@@ -30,9 +30,10 @@ class Sharded(Strategy):
         if not background:
             dcp.save(state, checkpoint_id=directory)
             return {}
-        if self._save_group is None and dist.get_world_size() > 1:
+        if self._save_group is None:
             # The writer thread's collectives need a group of their own: on the default
-            # group they interleave with training's and both sides deadlock.
+            # group they interleave with training's and both sides deadlock. gloo: the
+            # writer works on CPU copies, and NCCL takes no CPU tensors.
             self._save_group = dist.new_group(backend="gloo")
         # Copies the state to CPU memory first, so the next steps may change the weights.
         self._pending = dcp.async_save(state, checkpoint_id=directory, process_group=self._save_group)
