@@ -265,11 +265,15 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
                               f"{cfg.global_batch_size / step_s:.0f} samples/s", flush=True)
                 if step % spec.checkpoint.every_steps == 0 or step == total_steps:
                     if pending:  # the previous background write must be sealed first
+                        waited = time.perf_counter()
                         strategy.wait_saved(block=True)
+                        pending["blocked_s"] += time.perf_counter() - waited
                         _commit(spec, env, pending)
                     pending = _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, step=step,
                                     epoch=epoch, next_batch=batch_index + 1, loss=loss_value,
-                                    background=spec.parallel.async_checkpoint and step < total_steps)
+                                    # The last one in the foreground: the job ends when it is sealed.
+                                    background=spec.parallel.async_checkpoint and strategy.shards_parameters
+                                    and step < total_steps)
                 t_last = time.perf_counter()
             else:
                 epoch, batch_index = epoch + 1, 0
@@ -321,7 +325,7 @@ def _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, *, 
     checkpoint.write_shard(tmp, f"rng-rank{rank}.pt", _rng_state())
     injector.maybe_fire(step, phase="checkpoint")
     pending = {"step": step, "epoch": epoch, "next_batch": next_batch, "loss": loss, "started": started,
-               "blocked_s": time.perf_counter() - started}
+               "blocked_s": time.perf_counter() - started, "background": background}
     if background:
         return pending
     _commit(spec, env, pending)
@@ -344,7 +348,7 @@ def _commit(spec, env, pending: dict[str, Any]) -> None:
         blocked = pending["blocked_s"] + (saved - committed)
         events.emit(run_dir, "checkpoint_committed", step=step, path=os.path.relpath(path, run_dir),
                     save_s=round(saved - pending["started"], 4), blocked_s=round(blocked, 4),
-                    background=spec.parallel.async_checkpoint, report_s=round(time.perf_counter() - saved, 4))
+                    background=pending["background"], report_s=round(time.perf_counter() - saved, 4))
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -48,9 +48,20 @@ class StepProfiler:
         if torch.cuda.is_available():
             fields["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         if self.profile is not None and self.wall_s:
-            comm_us = sum(e.device_time_total if e.device_type.name == "CUDA" else e.cpu_time_total
-                          for e in self.profile.events() if e.name.startswith(COMM_PREFIXES)
-                          or (e.device_type.name == "CUDA" and "nccl" in e.name.lower()))
+            spans = [(e.time_range.start, e.time_range.end) for e in self.profile.events()
+                     if e.name.startswith(COMM_PREFIXES) or (e.device_type.name == "CUDA" and "nccl" in e.name.lower())]
+            comm_us = covered(spans)
             fields.update(profiled_steps=self.last - self.first + 1, profiled_wall_s=round(self.wall_s, 4),
                           comm_s=round(comm_us / 1e6, 4))
         events.emit(run_dir, "worker_finished", rank=rank, world_size=world, durable=False, **fields)
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Time covered by at least one span: a send and a receive in flight together (or a
+    collective on two threads) are one stretch of communication, not two."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(spans):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total

@@ -54,13 +54,6 @@ def _already_committed(checkpoint, _dir_name: str):
     return checkpoint
 
 
-def _replace_spec_json(spec: JobSpec) -> None:
-    staged = os.path.join(spec.run_dir, "spec.json.new")
-    if os.path.exists(staged):  # left by a driver that died between the two steps
-        os.remove(staged)
-    os.replace(write_spec_json(spec, name="spec.json.new"), os.path.join(spec.run_dir, "spec.json"))
-
-
 class RunDirTaken(ValueError):
     """The run directory belongs to another spec with the same job_id: leave it alone."""
 
@@ -77,9 +70,10 @@ def prepare_run_dir(spec: JobSpec) -> str:
             raise RunDirTaken(f"{spec.run_dir} already holds a different spec for job {spec.job_id}; use a new job_id "
                               "(only the worker count may change when a job is run again)")
         if existing.workers != spec.workers:
+            # spec.json stays as first submitted (the run directory's contract); each
+            # attempt_started records the worker count it really ran with.
             events.emit(spec.run_dir, "workers_changed", old=existing.model_dump()["workers"],
                         new=spec.model_dump()["workers"])
-            _replace_spec_json(spec)
             return spec.run_dir
     write_spec_json(spec)
     return spec.run_dir

@@ -192,6 +192,9 @@ def parallel_error(spec: JobSpec, world: int) -> str | None:
     """Why `world` workers cannot run the spec's strategy and degrees, or None.
     Checked when the spec is parsed, so a bad mesh never reaches a worker."""
     p, strategy = spec.parallel, spec.strategy
+    if strategy == "ddp" and p.async_checkpoint:
+        return ("parallel.async_checkpoint needs a strategy whose ranks each write a part (fsdp, tensor, pipeline, "
+                "hybrid); with ddp rank 0 writes the one copy")
     if strategy in ("ddp", "fsdp") and (p.tensor > 1 or p.pipeline > 1 or p.shard):
         return (f"parallel.tensor, parallel.pipeline and parallel.shard apply to the tensor, pipeline and hybrid "
                 f"strategies; strategy {strategy!r} uses every worker for data parallelism")
@@ -361,10 +364,10 @@ def absolute_paths(spec: JobSpec, base: str | os.PathLike | None = None) -> JobS
     return spec.model_copy(update={"storage": fix(spec.storage), "dataset": dataset})
 
 
-def write_spec_json(spec: JobSpec, name: str = "spec.json") -> str:
+def write_spec_json(spec: JobSpec) -> str:
     """Write <run dir>/spec.json once, atomically (fsync, then rename); return its path.
     It is immutable: an existing file is left as it is."""
-    path = os.path.join(spec.run_dir, name)
+    path = os.path.join(spec.run_dir, "spec.json")
     if os.path.exists(path):
         return path
     os.makedirs(spec.run_dir, exist_ok=True)

@@ -18,6 +18,7 @@ import pytest
 from service.embedded import EmbeddedRay
 from tests.conftest import ROOT, Outcome, last_json_line, write_spec
 from tests.helpers.paced import GATE_ENV
+from workers.run import START_TIMEOUT_ENV
 
 SLOT = "elastic_slot"
 
@@ -85,8 +86,11 @@ def test_elastic_job_shrinks_on_lost_node_and_grows_back(ray_cluster, tmp_path):
         # The driver's output goes to a file: Ray logs much while nodes come and go, and
         # an unread pipe would fill and stop the driver.
         with open(log, "w") as out:
+            # After the node dies Ray first waits this long for 2 workers again: shorter
+            # than the default here, as the test knows no node will come back by itself.
+            env = {**ray_cluster.env, START_TIMEOUT_ENV: "8"}
             proc = subprocess.Popen([sys.executable, "-m", "workers.run", str(write_spec(tmp_path, spec))], cwd=ROOT,
-                                    env=ray_cluster.env, stdout=out, stderr=subprocess.STDOUT, text=True)
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         run_dir = tmp_path / "runs" / "elastic"
         try:
             _wait("training on 2 workers", lambda: _trained_at(run_dir, 2), proc, log, 180)

@@ -72,3 +72,11 @@ def test_synthetic_tokens_are_learnable_counting_sequences():
     seq = text.synthetic_tokens(size=100, vocab_size=50, context=10, seed=1, noise=0.0)
     steps = (seq[:, 1:] - seq[:, :-1]) % 50
     assert (steps == steps[:, :1]).all()  # one stride per sequence
+
+
+def test_communication_time_counts_overlapping_ranges_once():
+    from workers.profiling import covered
+
+    # A send and a receive in flight together, then a gap, then one collective.
+    assert covered([(0, 10), (2, 8), (5, 12), (20, 25)]) == 17
+    assert covered([]) == 0

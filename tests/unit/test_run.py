@@ -42,7 +42,7 @@ def test_a_job_may_run_again_on_another_worker_count(tmp_path):
     prepare_run_dir(spec)
     again = spec.model_copy(update={"workers": 2})
     prepare_run_dir(again)
-    assert json.loads((tmp_path / "runs" / "j1" / "spec.json").read_text())["workers"] == 2
+    assert json.loads((tmp_path / "runs" / "j1" / "spec.json").read_text())["workers"] == 4  # as submitted
     (changed,) = events.events(spec.run_dir, "workers_changed")
     assert (changed["old"], changed["new"]) == (4, 2)
 

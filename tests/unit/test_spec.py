@@ -252,6 +252,7 @@ GPT = {"model": {"name": "gpt", "heads": 4}, "dataset": "synthetic_tokens"}
     ({"strategy": "pipeline", "workers": 2, "parallel": {"microbatches": 3}}, "parallel.microbatches (3)"),
     ({"strategy": "ddp", "workers": 4, "parallel": {"tensor": 2}}, "uses every worker for data parallelism"),
     ({"strategy": "tensor", "workers": 2, "precision": "fp16"}, "use precision 'bf16'"),
+    ({"strategy": "ddp", "workers": 2, "parallel": {"async_checkpoint": True}}, "with ddp rank 0 writes the one copy"),
     ({"strategy": "hybrid", "workers": {"min": 2, "max": 4}, "parallel": {"tensor": 2}},
      "with 3 workers: the degrees must multiply"),
 ])
