@@ -18,7 +18,6 @@ import argparse
 import importlib.metadata
 import os
 import platform
-import shutil
 import signal
 import statistics
 import sys
@@ -28,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from common import write_results  # bench/ is sys.path[0] when run as a script
+from common import finish  # bench/ is sys.path[0] when run as a script
 from pydantic import ValidationError
 from vs_torchrun import ROOT, Run, _f, log, run_torchrun  # puts the repository root on sys.path
 
@@ -314,14 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         good = False
         log("interrupted; reporting what finished")
     text = report(args, size, results, skipped, (load_before, os.getloadavg()[0]), time.monotonic() - started)
-    print("\n" + text, end="", flush=True)
-    write_results(text, args.out)
-    log(f"table written to {os.path.relpath(args.out, os.getcwd())}")
-    if args.keep or not good:
-        log(f"run directories and logs kept in {workdir}")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return 0 if good else 1
+    return finish(text, args.out, workdir, keep=args.keep, good=good)
 
 
 if __name__ == "__main__":

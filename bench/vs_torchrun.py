@@ -49,7 +49,7 @@ from workers import events  # noqa: E402  (light: no torch, no ray)
 from workers.run import prepare_run_dir, summarize  # noqa: E402
 from workers.spec import JobSpec, absolute_paths  # noqa: E402
 
-from common import write_results  # bench/ is sys.path[0] when run as a script
+from common import finish  # bench/ is sys.path[0] when run as a script
 
 WORKER = os.path.join(ROOT, "bench", "torchrun_worker.py")
 RESULTS = os.path.join(ROOT, "bench", "results", "vs_torchrun.txt")
@@ -419,14 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log("interrupted; reporting what finished")
     text, good = report(args, runs, (load_before, list(os.getloadavg())), versions)
-    print("\n" + text, end="", flush=True)
-    write_results(text, args.out)
-    log(f"table written to {os.path.relpath(args.out, os.getcwd())}")
-    if args.keep or not good:
-        log(f"run directories and logs kept in {workdir}")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return 0 if good else 1
+    return finish(text, args.out, workdir, keep=args.keep, good=good)
 
 
 if __name__ == "__main__":

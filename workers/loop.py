@@ -27,8 +27,7 @@ from workers.faults import FaultInjector
 from workers.models import build_model
 from workers.profiling import StepProfiler
 from workers.spec import JobSpec, TrainingSpec
-
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from workers.strategies.base import low_precision
 
 
 @dataclass
@@ -198,7 +197,7 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
         return build_model(spec.model, in_channels=splits.in_channels, num_classes=splits.num_classes,
                            image_size=splits.image_size).to(device)
 
-    amp_dtype = AMP_DTYPES.get(spec.precision)
+    amp_dtype = low_precision(spec.precision)
     # fp16 needs loss scaling so small gradients survive; its state is checkpointed.
     scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
     # Before the optimizer: sharding swaps in new parameters, a pipeline keeps one stage.

@@ -9,6 +9,12 @@ import torch.distributed as dist
 from torch import nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def low_precision(precision: str) -> torch.dtype | None:
+    """The spec's precision as the dtype autocast and FSDP compute in; None for fp32."""
+    return AMP_DTYPES.get(precision)
 
 
 class Strategy:

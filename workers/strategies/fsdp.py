@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.strategies.base import low_precision
 from workers.strategies.sharded import Sharded
 
 
@@ -19,8 +20,7 @@ class FSDP(Sharded):
 
     @classmethod
     def from_spec(cls, spec) -> FSDP:
-        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-        return cls(cpu_offload=spec.fsdp.cpu_offload, param_dtype=dtypes.get(spec.precision),
+        return cls(cpu_offload=spec.fsdp.cpu_offload, param_dtype=low_precision(spec.precision),
                    shard=spec.parallel.shard)
 
     def wrap(self, model: nn.Module) -> nn.Module:

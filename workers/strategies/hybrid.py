@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import torch
-
-from workers.strategies.base import Strategy
+from workers.strategies.base import Strategy, low_precision
 from workers.strategies.fsdp import FSDP
 from workers.strategies.pipeline import Pipeline
 from workers.strategies.tensor import TensorParallel
@@ -17,7 +15,7 @@ class Hybrid(Strategy):
     @classmethod
     def from_spec(cls, spec) -> Strategy:
         p = spec.parallel
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
+        dtype = low_precision(spec.precision)
         if p.tensor > 1:
             return TensorParallel(tp=p.tensor, param_dtype=dtype)
         if p.pipeline > 1:

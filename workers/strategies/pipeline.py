@@ -3,46 +3,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.strategies.base import LossFn
-from workers.strategies.fsdp import fsdp_policies, shard_blocks
-from workers.strategies.sharded import Sharded
+from workers.strategies.base import LossFn, low_precision
+from workers.strategies.sharded import DataTimesModel
 
 
-class Pipeline(Sharded):
+class Pipeline(DataTimesModel):
     """torch.distributed.pipelining: the layers split into `pp` contiguous stages, one per
     rank, each step's batch into micro-batches that flow through them (GPipe: all
     forwards, then all backwards; 1F1B: interleaved, so fewer activations are held).
     With `pp` < world size, a 2-D mesh: FSDP across the `world / pp` copies of each stage."""
 
     name = "pipeline"
+    inner = "pp"
     holds_part_of_model = True
 
     def __init__(self, microbatches: int, schedule: str = "1f1b", pp: int | None = None,
                  param_dtype: torch.dtype | None = None):
         super().__init__()
-        self.microbatches, self.schedule_name, self.pp, self.param_dtype = microbatches, schedule, pp, param_dtype
+        self.microbatches, self.schedule_name, self.degree, self.param_dtype = microbatches, schedule, pp, param_dtype
         self.schedule = None
 
     @classmethod
     def from_spec(cls, spec) -> Pipeline:
         return cls(spec.parallel.microbatches, spec.parallel.schedule, None,
-                   {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision))
+                   low_precision(spec.precision))
 
     def setup(self, device: torch.device, rank: int, world_size: int) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
         super().setup(device, rank, world_size)
-        pp = self.pp or world_size
-        self.mesh = init_device_mesh(device.type, (world_size // pp, pp), mesh_dim_names=("dp", "pp"))
-        self.stage_index, self.stages = self.mesh["pp"].get_local_rank(), pp
-
-    @property
-    def data_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
-
-    @property
-    def data_world(self) -> int:
-        return self.mesh["dp"].size()
+        self.stage_index, self.stages = self.mesh["pp"].get_local_rank(), self.degree
 
     @property
     def owns_loss(self) -> bool:
@@ -58,8 +46,7 @@ class Pipeline(Sharded):
         # The whole model is built (same seed, same initial weights as one process), then
         # each rank keeps its stage.
         model.keep_stage(self.stage_index, self.stages)
-        if self.data_world > 1:
-            shard_blocks(model, mesh=self.mesh["dp"], **fsdp_policies(self.device, False, self.param_dtype))
+        self.shard_data_parallel(model, self.param_dtype)
         self.model = model
         return model
 

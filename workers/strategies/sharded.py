@@ -74,6 +74,36 @@ class Sharded(Strategy):
     holds_part_of_model = False  # True where ranks hold different modules, not shards of one
 
 
+class DataTimesModel(Sharded):
+    """A 2-D mesh ("dp", `inner`): groups of `degree` ranks split one model (tensor or
+    pipeline parallel), and the `world / degree` groups are data parallel (FSDP). The
+    ranks of one group read the same share of each batch."""
+
+    inner = ""
+
+    def setup(self, device: torch.device, rank: int, world_size: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        super().setup(device, rank, world_size)
+        self.degree = self.degree or world_size  # None: the whole world splits one model
+        self.mesh = init_device_mesh(device.type, (world_size // self.degree, self.degree),
+                                     mesh_dim_names=("dp", self.inner))
+
+    @property
+    def data_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def data_world(self) -> int:
+        return self.mesh["dp"].size()
+
+    def shard_data_parallel(self, model: nn.Module, param_dtype: torch.dtype | None) -> None:
+        from workers.strategies.fsdp import fsdp_policies, shard_blocks
+
+        if self.data_world > 1:
+            shard_blocks(model, mesh=self.mesh["dp"], **fsdp_policies(self.device, False, param_dtype))
+
+
 def _state_dicts(model: nn.Module, optimizer):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
