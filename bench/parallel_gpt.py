@@ -227,11 +227,10 @@ def report(args, size: Size, results: dict, skipped: dict, load: tuple, wall_s: 
                        f"{first}-{last}")),
         ("speed-up", "samples/s over the same configuration on 1 worker"
                      + ("; * over ddp on 1 worker, where the configuration has no 1-worker form" if fallback else "")),
-        ("comm %", (f"per rank, time in gloo:* profiler ranges / wall time of steps {first}-{last} "
-                    f"({PROFILE_ENV}={first}:{last}, sync run); mean and max over ranks. On CPU a collective's "
-                    "time includes waiting for slower peers. It can exceed 100 where ranges overlap or nest (a "
-                    "pipeline's sends and receives in flight together): workers.profiling sums their durations, "
-                    "not their union")),
+        ("comm %", (f"per rank, time covered by gloo:* profiler ranges (overlapping ranges, such as a "
+                    f"pipeline's sends and receives in flight together, counted once) / wall time of steps "
+                    f"{first}-{last} ({PROFILE_ENV}={first}:{last}, sync run); mean and max over ranks. On CPU a "
+                    "collective's time includes waiting for slower peers")),
         ("peak RSS MB", ("largest per-worker process peak RSS (ru_maxrss) of the sync run; it includes the Python "
                          "and torch runtime, so compare rows rather than read it as model memory")),
         ("ckpt blocked", ("median over the checkpoints before the last step of how long training waited for one: "
