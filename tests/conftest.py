@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-# Ray reads this once, at import: the test process is a client of a token-auth cluster.
-os.environ["RAY_AUTH_MODE"] = "token"
+from workers import ray_token  # noqa: E402
+
+# Before Ray is imported (it reads RAY_AUTH_MODE once): the test process is a client of
+# a token-auth cluster, and on a machine that never ran Ray the token is made here.
+ray_token.ensure()
 
 ROOT = Path(__file__).resolve().parents[1]
 MNIST = ROOT.parent / "shared" / "data" / "mnist" / "raw"
@@ -42,11 +45,20 @@ def ray_cluster(tmp_path_factory):
     cores, since every worker runs one thread."""
     from service.embedded import EmbeddedRay
 
-    port, dash = free_port(), free_port()
     log = tmp_path_factory.mktemp("ray") / "head.log"
     env = {"RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
-    head = EmbeddedRay(gcs_port=port, dashboard_port=dash, num_cpus=8, log_path=str(log), extra_env=env)
-    head.start()
+    for tries_left in (2, 1, 0):
+        # A free port may be taken again before the head binds it (Ray's own workers
+        # pick ports too): try fresh ones rather than fail the whole session.
+        head = EmbeddedRay(gcs_port=free_port(), dashboard_port=free_port(), num_cpus=8, log_path=str(log),
+                           extra_env=env)
+        try:
+            head.start()
+            break
+        except Exception:
+            head.stop()
+            if not tries_left:
+                raise
     try:
         client_env = {**os.environ, **head.env, "RAY_ADDRESS": head.gcs_address}
         yield Cluster(address=head.gcs_address, dashboard=head.dashboard_url, env=client_env)

@@ -119,11 +119,12 @@ def committed_steps(run_dir: str) -> list[int]:
     return sorted((int(m.group(1)) for n in names if (m := _STEP_DIR.match(n))), reverse=True)
 
 
-def latest(run_dir: str) -> tuple[int, str] | None:
-    """The newest committed checkpoint: LATEST if it is sound, else the newest sound one.
+def sound(run_dir: str) -> list[tuple[int, str]]:
+    """Every committed checkpoint with a complete manifest, newest first; the first is
+    verified against its SHA-256 sums.
 
-    Scanning as well as reading LATEST matters: LATEST may name a checkpoint that a
-    later one superseded before LATEST was replaced, or one that was damaged since.
+    LATEST is read as well as the directory: it may name a checkpoint that a later one
+    superseded before LATEST was replaced; the scan finds one damaged since, and skips it.
     """
     candidates = committed_steps(run_dir)
     try:
@@ -133,11 +134,30 @@ def latest(run_dir: str) -> tuple[int, str] | None:
             candidates.append(int(named.group(1)))
     except OSError:
         pass
+    found: list[tuple[int, str]] = []
     for step in sorted(set(candidates), reverse=True):
         path = os.path.join(root(run_dir), step_name(step))
-        if read_manifest(path) is not None:
-            return step, path
-    return None
+        # Hash only up to the first sound one: the older ones are fallbacks, and a
+        # damaged fallback fails to load and is skipped in turn.
+        if read_manifest(path, verify=not found) is not None:
+            found.append((step, path))
+    return found
+
+
+def latest(run_dir: str) -> tuple[int, str] | None:
+    """The newest committed checkpoint whose manifest verifies."""
+    found = sound(run_dir)
+    return found[0] if found else None
+
+
+def set_aside(run_dir: str, step: int) -> str:
+    """Move a checkpoint that could not be loaded out of the way (kept for a post-mortem,
+    never resumed from again: the name no longer matches step-*)."""
+    src = os.path.join(root(run_dir), step_name(step))
+    dst = os.path.join(root(run_dir), f".unloadable-{step_name(step)}-{int(time.time())}")
+    os.rename(src, dst)
+    _fsync_dir(root(run_dir))
+    return dst
 
 
 def prune(run_dir: str, keep: int) -> list[int]:

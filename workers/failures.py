@@ -54,17 +54,52 @@ def classify(exc: BaseException, *, step: int, completed_steps: int, history: li
     return TRANSIENT
 
 
-def record_worker_error(run_dir: str, exc: BaseException, *, rank: int, step: int, attempt: int,
-                        completed_steps: int) -> str:
+def record_worker_error(run_dir: str, exc: BaseException, *, rank: int, step: int, attempt: int | None,
+                        completed_steps: int, activity: str | None = None) -> str:
     """Called by a worker on its own exception: write `worker_failed`, return the class."""
     history = events.events(run_dir, "worker_failed")
     kind = classify(exc, step=step, completed_steps=completed_steps, history=history)
     events.emit(
         run_dir, "worker_failed", rank=rank, step=step, attempt=attempt, classification=kind,
-        signature=signature(exc), error=str(exc)[:2000],
+        signature=signature(exc), error=str(exc)[:2000], activity=activity,
         traceback="".join(traceback.format_exception(exc))[-4000:],
     )
     return kind
+
+
+def culprit(failed: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What failed first-hand among one attempt's failure events: an injected fault, a
+    hung or dead process or driver, then a non-communication error; peers' connection
+    errors are only echoes of it."""
+    for match in (lambda e: e["event"] == "fault_injected",
+                  lambda e: e.get("hung") or e.get("process_died") or e["event"] == "driver_lost",
+                  lambda e: e.get("classification") != INFRASTRUCTURE,
+                  lambda e: True):
+        hit = next((e for e in failed if match(e)), None)
+        if hit is not None:
+            return hit
+    return None
+
+
+BACKOFF_BASE_S, BACKOFF_MAX_S = 2.0, 60.0
+
+
+def backoff_s(run_dir: str, attempt: int) -> float:
+    """How long attempt `attempt` waits before it starts: nothing after one failure, then
+    2, 4, 8 ... up to 60 s while the attempts before it keep failing at the same step.
+    So an unlimited retry budget (max_failures: -1) cannot spin without pause."""
+    if attempt <= 2:
+        return 0.0
+    starts = {e["attempt"]: e.get("from_step", 0) for e in events.events(run_dir, "attempt_started")}
+    reached: dict[int, int] = {}
+    for m in events.metrics(run_dir):
+        reached[m.get("attempt")] = max(reached.get(m.get("attempt"), 0), m["step"])
+    # The step each earlier attempt failed at: one past the last it completed.
+    failed_at = [reached.get(a, starts.get(a, 0)) + 1 for a in range(1, attempt)]
+    repeats = 1
+    while repeats < len(failed_at) and failed_at[-1 - repeats] == failed_at[-1]:
+        repeats += 1
+    return 0.0 if repeats < 2 else min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (repeats - 2))
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -27,6 +27,7 @@ from workers.faults import FaultInjector
 from workers.models import build_model
 from workers.profiling import StepProfiler
 from workers.spec import JobSpec, TrainingSpec
+from workers.watchdog import Watchdog
 from workers.strategies.base import low_precision
 
 
@@ -100,14 +101,14 @@ class Recovery:
 
     def __init__(self, run_dir: str, from_step: int, world_size: int | None = None):
         attempts = events.events(run_dir, "attempt_started")
-        self.attempt = len(attempts) + 1
+        self.attempt, self.from_step = len(attempts) + 1, from_step
         self.pending = self.attempt > 1
         if not self.pending:
             return
         since = attempts[-1]["time"]
         recent = [e for e in events.events(run_dir) if e["time"] >= since]
         failed = [e for e in recent if e["event"] in ("fault_injected", "worker_failed", "driver_lost")]
-        culprit = self._culprit(failed) or {}
+        culprit = failures.culprit(failed) or {}
         self.failed_rank = culprit.get("rank")
         self.cause = culprit.get("kind") or culprit.get("error") or "unknown"
         progress = [m for m in events.metrics(run_dir) if m.get("attempt") == attempts[-1].get("attempt")]
@@ -119,19 +120,6 @@ class Recovery:
             self.cause, self.failed_rank = "resize", None
             self.failure_time = max((m["time"] for m in progress), default=attempts[-1]["time"])
         self.from_step = from_step
-
-    @staticmethod
-    def _culprit(failed: list[dict[str, Any]]) -> dict[str, Any] | None:
-        # What failed first-hand: an injected fault, a dead process or driver, then a
-        # non-communication error; peers' connection errors are only echoes of it.
-        for match in (lambda e: e["event"] == "fault_injected",
-                      lambda e: e.get("process_died") or e["event"] == "driver_lost",
-                      lambda e: e.get("classification") != failures.INFRASTRUCTURE,
-                      lambda e: True):
-            hit = next((e for e in failed if match(e)), None)
-            if hit is not None:
-                return hit
-        return None
 
     def record(self, run_dir: str) -> dict[str, Any]:
         self.pending = False
@@ -152,28 +140,62 @@ def _broadcast(obj: Any, world_size: int) -> Any:
 
 
 def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
+    """One attempt on one rank. Every error it raises, from set-up to the final save, is
+    classified first (DESIGN.md invariant 4); a hang anywhere is the watchdog's."""
+    watchdog = Watchdog(spec.failure.hang_timeout_s, spec.run_dir, env.rank).start()
+    try:
+        return _train(spec, env, watchdog)
+    except Exception as exc:
+        reached = max((m["step"] for m in events.metrics(spec.run_dir)), default=0)
+        kind = failures.record_worker_error(spec.run_dir, exc, rank=env.rank, step=watchdog.step + 1,
+                                            attempt=watchdog.attempt, completed_steps=max(watchdog.step, reached),
+                                            activity=watchdog.activity)
+        if kind == failures.DETERMINISTIC:
+            raise failures.DeterministicTrainingError(
+                f"{failures.signature(exc)} (while {watchdog.activity}; step {watchdog.step + 1}, rank {env.rank})"
+            ) from exc
+        raise
+    finally:
+        watchdog.stop()
+
+
+def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] | None:
     run_dir = spec.run_dir
     rank, world = env.rank, env.world_size
     cfg = spec.training
     torch.set_num_threads(max(1, int(spec.resources.cpu)))
     torch.use_deterministic_algorithms(True, warn_only=True)
+    watchdog.beat("choosing the checkpoint to resume from")
+    if spec.resources.gpu > 0 and not torch.cuda.is_available():
+        raise RuntimeError(f"resources.gpu is {spec.resources.gpu:g} but this worker sees no CUDA device")
     device = torch.device(f"cuda:{env.local_rank}" if spec.resources.gpu > 0 else "cpu")
 
-    # Rank 0 clears what a failed attempt half-wrote and picks the checkpoint; the others
-    # take its word so every rank resumes from the same step.
+    # Rank 0 clears what a failed attempt half-wrote and lists the checkpoints to try,
+    # newest first; the others take its word so every rank resumes from the same step.
     if rank == 0:
         checkpoint.clear_partial(run_dir)
-        found = checkpoint.latest(run_dir)
-        recovery = Recovery(run_dir, from_step=found[0] if found else 0, world_size=world)
-        decided = (found, recovery.attempt)
+        candidates = checkpoint.sound(run_dir)
+        recovery = Recovery(run_dir, from_step=candidates[0][0] if candidates else 0, world_size=world)
+        delay = failures.backoff_s(run_dir, recovery.attempt)
+        if delay:
+            events.emit(run_dir, "backoff", attempt=recovery.attempt, delay_s=delay,
+                        reason="the previous attempts failed at the same step")
+        # Recorded before anything that may fail, so an attempt that dies in set-up still
+        # counts (restarts, back-off); training_started follows once it can train.
+        note_resize(run_dir, recovery.attempt, world, recovery.from_step)
+        events.emit(run_dir, "attempt_started", attempt=recovery.attempt, world_size=world,
+                    from_step=recovery.from_step, checkpoint=candidates[0][1] if candidates else None)
+        decided = (candidates, recovery.attempt, delay)
     else:
         recovery, decided = None, None
-    found, attempt = _broadcast(decided, world)
+    candidates, attempt, delay = _broadcast(decided, world)
+    watchdog.attempt = attempt
+    _pause(delay, watchdog)
 
     _seed_everything(cfg.seed)
+    watchdog.beat(f"loading the dataset (dataset.name = {spec.dataset.name})")
     splits: Splits = load(spec.dataset, cfg.seed, context=spec.model.context)
-    if rank == 0 and splits.notice and attempt == 1:
-        print(splits.notice, flush=True)
+    watchdog.beat("setting up the strategy and the sampler")
     strategy = strategies.build(spec)
     strategy.setup(device, rank, world)  # builds the device mesh: a collective
     sampler = ResumableDistributedSampler(len(splits.train), cfg.global_batch_size, rank=strategy.data_rank,
@@ -185,10 +207,6 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
     # size that does not divide it) still average to the global batch's mean gradient.
     weight = sampler.local_batch * strategy.data_world / cfg.global_batch_size
     total_steps = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch
-    if rank == 0:
-        note_resize(run_dir, attempt, world, found[0] if found else 0)
-        events.emit(run_dir, "attempt_started", attempt=attempt, world_size=world, total_steps=total_steps,
-                    from_step=found[0] if found else 0, checkpoint=found[1] if found else None)
     # Where each rank runs, so a worker can be found (and killed on request) through Ray.
     events.emit(run_dir, "worker_started", attempt=attempt, rank=rank, pid=os.getpid(), node_id=env.node_id,
                 durable=False)
@@ -200,93 +218,82 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
     amp_dtype = low_precision(spec.precision)
     # fp16 needs loss scaling so small gradients survive; its state is checkpointed.
     scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
+    watchdog.beat(f"building the model (model.name = {spec.model.name})")
     # Before the optimizer: sharding swaps in new parameters, a pipeline keeps one stage.
     trained = strategy.wrap(new_model())
     model = strategy.model
     optimizer = make_optimizer(cfg, model.parameters())
     schedule = make_schedule(cfg, optimizer, total_steps)
     step, epoch, batch_index = 0, 0, 0
+    found = _load_newest(spec, env, candidates, strategy, model, optimizer, schedule, scaler, device, watchdog)
     if found:
-        state = checkpoint.load_shard(found[1], "state.pt")
-        strategy.load_state(found[1], model, optimizer, state)
-        schedule.load_state_dict(state["schedule"])
-        if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        step, epoch, batch_index = state["step"], state["epoch"], state["batch_index"]
-        if os.path.exists(os.path.join(found[1], f"rng-rank{rank}.pt")):
-            _set_rng_state(checkpoint.load_shard(found[1], f"rng-rank{rank}.pt"))
-        else:  # a rank the checkpoint's world did not have: a fresh stream of its own
-            _seed_everything(cfg.seed + 1000 * rank + step)
+        step, epoch, batch_index = found["step"], found["epoch"], found["batch_index"]
+    if rank == 0:
+        recovery.from_step = step
+        events.emit(run_dir, "training_started", attempt=attempt, world_size=world, total_steps=total_steps,
+                    from_step=step, checkpoint=found["path"] if found else None)
     injector = FaultInjector(spec.faults, run_dir, rank)
     pending: dict[str, Any] | None = None  # a checkpoint still being written in the background
     profiler = StepProfiler()
-    if rank == 0:
-        print(f"[train] attempt {attempt}: {world} worker(s), {'resuming from step ' + str(step) if found else 'starting'}"
-              f" of {total_steps}", flush=True)
+    watchdog.beat("training", step)
 
     loss_value = float("nan")
-    try:
-        t_last = time.perf_counter()
-        while step < total_steps:
-            for batch_index, indices in sampler.batches(epoch, batch_index):
-                if step >= total_steps:
-                    break
-                injector.maybe_fire(step + 1)
-                profiler.before(step + 1)
-                x, y = splits.train.batch(indices)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                optimizer.zero_grad(set_to_none=True)
-                local = strategy.train_step(trained, x, y, loss_fn, micro_batches, weight, scaler.scale,
-                                            lambda: torch.autocast(device.type, dtype=amp_dtype,
-                                                                   enabled=amp_dtype is not None))
-                if scaler.is_enabled() and strategy.shards_parameters and world > 1:
-                    _agree_on_overflow(scaler, optimizer)
-                scaler.step(optimizer)
-                scaler.update()
-                schedule.step()
-                step += 1
-                profiler.after(step)
-                loss_value = _mean_loss(local, strategy.owns_loss, world)
-                if pending and _all(strategy.wait_saved(block=False), world, device):
-                    _commit(spec, env, pending)
-                    pending = None
-                now = time.perf_counter()
-                step_s, t_last = now - t_last, now
-                if rank == 0:
-                    if recovery.pending:
-                        r = recovery.record(run_dir)
-                        print(f"[train] recovered: rank {r['failed_rank']} failed, resumed from step {r['from_step']},"
-                              f" recomputed {r['lost_steps']} step(s), {r['recovery_s']:.1f}s to this step", flush=True)
-                    events.log_metrics(run_dir, step=step, epoch=epoch, loss=loss_value, lr=schedule.get_last_lr()[0],
-                                       samples_per_s=cfg.global_batch_size / step_s, step_s=step_s, attempt=attempt)
-                    if step % max(1, total_steps // 20) == 0 or step == total_steps:
-                        print(f"[train] step {step}/{total_steps} epoch {epoch} loss {loss_value:.4f} "
-                              f"{cfg.global_batch_size / step_s:.0f} samples/s", flush=True)
-                if step % spec.checkpoint.every_steps == 0 or step == total_steps:
-                    if pending:  # the previous background write must be sealed first
-                        waited = time.perf_counter()
-                        strategy.wait_saved(block=True)
-                        pending["blocked_s"] += time.perf_counter() - waited
-                        _commit(spec, env, pending)
-                    pending = _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, step=step,
-                                    epoch=epoch, next_batch=batch_index + 1, loss=loss_value,
-                                    # The last one in the foreground: the job ends when it is sealed.
-                                    background=spec.parallel.async_checkpoint and strategy.shards_parameters
-                                    and step < total_steps)
-                t_last = time.perf_counter()
-            else:
-                epoch, batch_index = epoch + 1, 0
-                continue
-            break
-    except Exception as exc:
-        reached = max((m["step"] for m in events.metrics(run_dir)), default=0)
-        kind = failures.record_worker_error(run_dir, exc, rank=rank, step=step + 1, attempt=attempt,
-                                            completed_steps=max(step, reached))
-        if kind == failures.DETERMINISTIC:
-            raise failures.DeterministicTrainingError(f"{failures.signature(exc)} (step {step + 1}, rank {rank})") from exc
-        raise
+    t_last = time.perf_counter()
+    while step < total_steps:
+        for batch_index, indices in sampler.batches(epoch, batch_index):
+            if step >= total_steps:
+                break
+            injector.maybe_fire(step + 1)
+            profiler.before(step + 1)
+            watchdog.beat(f"reading the batch of step {step + 1}")
+            injector.maybe_fire(step + 1, phase="data")
+            x, y = splits.train.batch(indices)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            watchdog.beat(f"training step {step + 1}")
+            optimizer.zero_grad(set_to_none=True)
+            local = strategy.train_step(trained, x, y, loss_fn, micro_batches, weight, scaler.scale,
+                                        lambda: torch.autocast(device.type, dtype=amp_dtype,
+                                                               enabled=amp_dtype is not None))
+            if scaler.is_enabled() and strategy.shards_parameters and world > 1:
+                _agree_on_overflow(scaler, optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+            schedule.step()
+            step += 1
+            profiler.after(step)
+            loss_value = _mean_loss(local, strategy.owns_loss, world)
+            watchdog.beat(step=step)
+            if pending and _all(strategy.wait_saved(block=False), world, device):
+                _commit(spec, env, pending, watchdog, injector)
+                pending = None
+            now = time.perf_counter()
+            step_s, t_last = now - t_last, now
+            if rank == 0:
+                if recovery.pending:
+                    recovery.record(run_dir)
+                events.log_metrics(run_dir, step=step, epoch=epoch, loss=loss_value, lr=schedule.get_last_lr()[0],
+                                   samples_per_s=cfg.global_batch_size / step_s, step_s=step_s, attempt=attempt)
+            if step % spec.checkpoint.every_steps == 0 or step == total_steps:
+                if pending:  # the previous background write must be sealed first
+                    waited = time.perf_counter()
+                    watchdog.beat(f"waiting for the background checkpoint of step {pending['step']}")
+                    strategy.wait_saved(block=True)
+                    pending["blocked_s"] += time.perf_counter() - waited
+                    _commit(spec, env, pending, watchdog, injector)
+                watchdog.beat(f"writing the checkpoint of step {step}")
+                pending = _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, watchdog,
+                                step=step, epoch=epoch, next_batch=batch_index + 1, loss=loss_value,
+                                # The last one in the foreground: the job ends when it is sealed.
+                                background=spec.parallel.async_checkpoint and strategy.shards_parameters
+                                and step < total_steps)
+            t_last = time.perf_counter()
+        else:
+            epoch, batch_index = epoch + 1, 0
+            continue
+        break
 
     profiler.record(run_dir, rank, world)
+    watchdog.beat("gathering the final weights")
     weights = strategy.full_state_dict(model)  # a collective for sharded strategies
     if strategy.shards_parameters:
         # Rank 0 alone evaluates the whole model: no rank of a split one can.
@@ -294,11 +301,13 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
         if rank == 0:
             whole = new_model()
             whole.load_state_dict(weights)
-        accuracy, val_loss = evaluate(whole, splits, 0, 1, device, cfg.eval_batch_size) if rank == 0 else (0, 0)
+        accuracy, val_loss = evaluate(whole, splits, 0, 1, device, cfg.eval_batch_size, watchdog) if rank == 0 \
+            else (0, 0)
     else:
-        accuracy, val_loss = evaluate(model, splits, rank, world, device, cfg.eval_batch_size)
+        accuracy, val_loss = evaluate(model, splits, rank, world, device, cfg.eval_batch_size, watchdog)
     if rank != 0:
         return None
+    watchdog.beat("writing the final weights")
     digest = state_sha256(weights)
     os.makedirs(os.path.join(run_dir, "final"), exist_ok=True)
     torch.save(weights, os.path.join(run_dir, "final", "model.pt"))
@@ -308,7 +317,56 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
                        val_loss=val_loss, val_accuracy=accuracy, weights_sha256=digest, world_size=world)
 
 
-def _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, *, step, epoch, next_batch,
+def _pause(delay_s: float, watchdog: Watchdog) -> None:
+    """Back off before retrying; every rank waits, beating, so no collective times out."""
+    deadline = time.monotonic() + delay_s
+    while (left := deadline - time.monotonic()) > 0:
+        watchdog.beat(f"backing off {delay_s:g}s after repeated failures")
+        time.sleep(min(1.0, left))
+
+
+def _load_newest(spec, env, candidates, strategy, model, optimizer, schedule, scaler, device,
+                 watchdog: Watchdog) -> dict[str, Any] | None:
+    """Load the newest checkpoint every rank can read. One that a rank cannot load (a
+    shard torch cannot read, state that does not fit the model) is moved aside with a
+    `checkpoint_skipped` event and the previous one is tried. Loading overwrites all of
+    the state it touches, so a half-loaded bad one leaves nothing behind."""
+    rank, world = env.rank, env.world_size
+    for step, path in candidates:
+        watchdog.beat(f"loading the checkpoint of step {step}")
+        error = None
+        try:
+            state = checkpoint.load_shard(path, "state.pt")
+            strategy.load_state(path, model, optimizer, state)
+            schedule.load_state_dict(state["schedule"])
+            if state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            rng = os.path.join(path, f"rng-rank{rank}.pt")
+            rng_state = checkpoint.load_shard(path, f"rng-rank{rank}.pt") if os.path.exists(rng) else None
+        except Exception as e:
+            if failures.is_communication_error(e):
+                raise
+            error = e
+        if _all(error is None, world, device):
+            if rng_state is not None:
+                _set_rng_state(rng_state)
+            else:  # a rank the checkpoint's world did not have: a fresh stream of its own
+                _seed_everything(spec.training.seed + 1000 * rank + state["step"])
+            return {"step": state["step"], "epoch": state["epoch"], "batch_index": state["batch_index"], "path": path}
+        if error is not None:
+            events.emit(spec.run_dir, "checkpoint_skipped", step=step, rank=rank, error=failures.signature(error)[:1000])
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            checkpoint.set_aside(spec.run_dir, step)
+    if candidates:
+        # The model and optimizer may hold part of a bad checkpoint: start again, from scratch.
+        raise RuntimeError(f"no checkpoint of {spec.job_id} could be loaded; they were set aside, the next attempt "
+                           "starts from step 0")
+    return None
+
+
+def _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, watchdog, *, step, epoch, next_batch,
           loss, background) -> dict[str, Any] | None:
     """Every rank writes its shards, then rank 0 seals the checkpoint once all are in.
     A background save returns what _commit needs later, when every rank's writer is done."""
@@ -327,16 +385,20 @@ def _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, *, 
                "blocked_s": time.perf_counter() - started, "background": background}
     if background:
         return pending
-    _commit(spec, env, pending)
+    _commit(spec, env, pending, watchdog, injector)
     return None
 
 
-def _commit(spec, env, pending: dict[str, Any]) -> None:
+def _commit(spec, env, pending: dict[str, Any], watchdog: Watchdog, injector: FaultInjector | None = None) -> None:
+    watchdog.beat(f"waiting for every rank's shards of step {pending['step']}")
     if env.world_size > 1:
         dist.barrier()
     run_dir, step, path = spec.run_dir, pending["step"], None
     committed = time.perf_counter()
     if env.rank == 0:
+        watchdog.beat(f"sealing the checkpoint of step {step}")
+        if injector is not None:
+            injector.maybe_fire(step, phase="commit")
         path = checkpoint.commit(run_dir, step, {"epoch": pending["epoch"], "batch_index": pending["next_batch"],
                                                  "world_size": env.world_size, "loss": pending["loss"]})
         checkpoint.prune(run_dir, spec.checkpoint.keep)
@@ -390,7 +452,8 @@ def note_resize(run_dir: str, attempt: int, world: int, from_step: int) -> None:
                     from_step=from_step)
 
 
-def evaluate(model: nn.Module, splits: Splits, rank: int, world: int, device, batch_size: int) -> tuple[float, float]:
+def evaluate(model: nn.Module, splits: Splits, rank: int, world: int, device, batch_size: int,
+             watchdog: Watchdog | None = None) -> tuple[float, float]:
     """Accuracy and mean loss on the validation split (per token for gpt), each rank a
     strided share."""
     model.eval()
@@ -398,6 +461,8 @@ def evaluate(model: nn.Module, splits: Splits, rank: int, world: int, device, ba
     indices = torch.arange(rank, len(splits.val), world)
     with torch.no_grad():
         for lo in range(0, len(indices), batch_size):
+            if watchdog is not None:
+                watchdog.beat("evaluating on the validation split")
             x, y = splits.val.batch(indices[lo : lo + batch_size])
             logits = model(x.to(device))
             correct[0] += (logits.argmax(-1).cpu() == y).sum()

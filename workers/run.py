@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from workers import events
+from workers import events, ray_token
 from workers.spec import JobSpec, absolute_paths, load_spec, write_spec_json
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC = 0, 1, 2
@@ -122,11 +122,29 @@ def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]
     return summary
 
 
-def _ray_init(spec: JobSpec) -> None:
+# Ray Train's print patch sends a worker's print both to its logger and its stdout,
+# so every line reached the driver twice.
+WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_init(spec: JobSpec, verbose: bool) -> None:
+    import logging
+
     import ray
 
+    quiet = {} if verbose else {"logging_level": logging.WARNING}
+    runtime_env = {"env_vars": dict(WORKER_ENV)}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=verbose, runtime_env=runtime_env, **quiet)
         return
     # A local cluster sized to the job: logical CPUs may exceed cores since each worker
     # runs with a fixed thread count (resources.cpu).
@@ -135,14 +153,24 @@ def _ray_init(spec: JobSpec) -> None:
     # reported checkpoint and notices failures, so poll faster (the local cluster's
     # processes inherit this; `etrain serve` sets it for its own head).
     os.environ.setdefault(POLL_ENV, POLL_S)
+    # Ray Train's placement-group cleaner asks the State API (the dashboard) whether the
+    # controller lives. Without a dashboard each query times out, and the run waits ~12 s
+    # for the cleaner after its last step; with one it finds "the latest cluster" on the
+    # machine, which is another job's when two run at once. So: a dashboard of our own,
+    # on a port of our own, named to every process of this cluster (they inherit it).
+    port = _free_port()
+    os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"
     # address="local": a new cluster even where `ray start` left one recorded in /tmp/ray.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=True,
+             dashboard_host="127.0.0.1", dashboard_port=port, log_to_driver=verbose, runtime_env=runtime_env, **quiet)
 
 
-def run(spec: JobSpec) -> dict[str, Any]:
+def run(spec: JobSpec, verbose: bool = False) -> dict[str, Any]:
+    ray_token.ensure()  # before Ray is imported: it reads RAY_AUTH_MODE once, at import
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from workers.console import QuietRay, Reporter
     from workers.data import check_available
     from workers.failures import FailureRecorder
 
@@ -152,10 +180,17 @@ def run(spec: JobSpec) -> dict[str, Any]:
     if notice:
         print(notice, flush=True)
     note_lost_driver(run_dir)
+    reporter = Reporter(run_dir, started=started)
     events.emit(run_dir, "job_started", pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS"))
+    print(f"[train] job {spec.job_id}: {spec.model.name} on {spec.dataset.name}, {spec.strategy}, "
+          f"{spec.workers if not spec.elastic else f'{spec.workers.min}-{spec.workers.max}'} worker(s); "
+          f"run directory {run_dir}", flush=True)
     if spec.elastic:
         os.environ.setdefault(START_TIMEOUT_ENV, ELASTIC_START_TIMEOUT_S)
-    _ray_init(spec)
+    if not verbose:
+        sys.stdout = QuietRay(sys.stdout)
+    _ray_init(spec, verbose)
+    reporter.start()
     use_gpu = spec.resources.gpu > 0
     trainer = TorchTrainer(
         train_func,
@@ -184,17 +219,33 @@ def run(spec: JobSpec) -> dict[str, Any]:
         trainer.fit()
     except TrainingFailedError as e:
         error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        if not events.events(run_dir, "attempt_started"):
+            error = _start_failure(spec, error)
     finally:
         import ray
 
         # Disconnect (and stop a local cluster) now, so Ray's log forwarding has
         # finished before the summary: the summary must be the last line.
         ray.shutdown()
-        sys.stdout.flush()
     summary = summarize(spec, time.time() - started, error)
     if summary["status"] == "failed" and not events.events(run_dir, "failed"):
         events.emit(run_dir, "failed", error=summary["error"])
+    reporter.stop()
+    sys.stdout.flush()
     return summary
+
+
+def _start_failure(spec: JobSpec, error: str) -> str:
+    """Ray Train failed to start the workers (before any of our code ran on them): say
+    which part of the spec met which worker."""
+    if spec.resources.gpu > 0 and ("GPU" in error or "CUDA" in error or "NCCL" in error):
+        return (f"resources.gpu is {spec.resources.gpu:g} but the workers Ray placed have no usable GPU: {error}")
+    return f"the workers could not start: {error}"
+
+
+def _last_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"
 
 
 def _one_line(e: Exception) -> str:
@@ -208,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("spec", help="job spec file, YAML or JSON")
     parser.add_argument("--storage", help="override the spec's storage root")
     parser.add_argument("--job-id", help="override the spec's job_id")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="also show Ray's own output and the workers' (quiet by default)")
     args = parser.parse_args(argv)
+    ray_token.ensure()
     try:
         spec = load_spec(args.spec)
         overrides = {k: v for k, v in {"storage": args.storage, "job_id": args.job_id}.items() if v}
@@ -219,12 +273,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: invalid spec {args.spec}: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_SPEC
     try:
-        summary = run(spec)
+        summary = run(spec, args.verbose)
     except Exception as e:  # a clear line, not a traceback, for what stops a job before training
         from workers.data import DatasetUnavailable
 
         if not isinstance(e, (DatasetUnavailable, ValueError)):
-            raise
+            if args.verbose:
+                raise
+            print(f"error: {_last_line(e)} (run again with --verbose for the traceback)", file=sys.stderr)
+            return EXIT_FAILED
         if not isinstance(e, RunDirTaken):
             # The verdict goes in the run directory too, so a service watching it does
             # not take this exit for a lost driver and run it again.

@@ -24,6 +24,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
 PRECISIONS = ("fp32", "bf16", "fp16")
 FAULT_KINDS = ("crash", "exception", "hang")
+FAULT_PHASES = ("step", "data", "checkpoint", "commit")
 
 
 def default_storage() -> str:
@@ -143,6 +144,11 @@ class FailureSpec(_Part):
     collective_timeout_s: int = Field(
         30, ge=5, le=3600, description="A collective that waits this long fails (detects hangs)."
     )
+    hang_timeout_s: int = Field(
+        300, ge=2, le=86400,
+        description="A worker that makes no progress this long (a step, a batch read, a checkpoint phase, an "
+                    "evaluation batch) is declared hung and restarted like a crashed one.",
+    )
 
 
 class FsdpSpec(_Part):
@@ -183,8 +189,9 @@ class FaultSpec(_Part):
     at_step: int = Field(..., ge=1, description="Fire while running this step (1-based).")
     rank: int = Field(0, ge=0, description="World rank that fails.")
     kind: Literal[FAULT_KINDS] = Field(..., description="crash: SIGKILL; exception: raise; hang: stop progressing.")
-    phase: Literal["step", "checkpoint"] = Field(
-        "step", description="checkpoint: fire while the checkpoint of at_step is being written."
+    phase: Literal[FAULT_PHASES] = Field(
+        "step", description="step: before the step; data: while reading its batch; checkpoint: while the "
+                            "checkpoint of at_step is written; commit: while rank 0 seals it.",
     )
 
 

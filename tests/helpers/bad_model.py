@@ -14,3 +14,7 @@ class Broken(nn.Module):
 
 def build(*, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
     return Broken(num_classes)
+
+
+def unbuildable(*, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    raise RuntimeError("cannot build: the config asks for 3 heads on a width of 128")

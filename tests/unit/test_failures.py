@@ -126,3 +126,36 @@ def test_a_death_is_recorded_before_a_deterministic_error_ends_the_run(tmp_path)
         recorder.after_exception(None, {0: wrapped(DeterministicTrainingError("KeyError: 'x' (step 1, rank 0)")),
                                          1: dead_worker()})
     assert [(e["event"], e["rank"]) for e in events.events(str(tmp_path))] == [("worker_failed", 1), ("failed", 0)]
+
+
+def _attempt(run_dir, attempt, from_step, reached):
+    events.emit(run_dir, "attempt_started", attempt=attempt, from_step=from_step)
+    for step in range(from_step + 1, reached + 1):
+        events.log_metrics(run_dir, step=step, attempt=attempt)
+
+
+def test_repeated_failures_at_one_step_back_off_up_to_a_minute(tmp_path):
+    from workers.failures import BACKOFF_MAX_S, backoff_s
+
+    run_dir = str(tmp_path)
+    delays = []
+    for attempt in range(1, 12):
+        delays.append(backoff_s(run_dir, attempt))
+        _attempt(run_dir, attempt, from_step=10, reached=13)  # each fails at step 14
+    assert delays[:6] == [0, 0, 2, 4, 8, 16]  # attempt 1 has nothing before it; 2 follows one failure
+    assert delays[-1] == BACKOFF_MAX_S and max(delays) == BACKOFF_MAX_S
+
+
+def test_progress_resets_the_back_off(tmp_path):
+    from workers.failures import backoff_s
+
+    run_dir = str(tmp_path)
+    for attempt, reached in enumerate([13, 13, 13], start=1):
+        _attempt(run_dir, attempt, from_step=10, reached=reached)
+    assert backoff_s(run_dir, 4) == 4
+    _attempt(run_dir, 4, from_step=10, reached=17)  # got further: a new failure, not the same one
+    assert backoff_s(run_dir, 5) == 0
+    # Failures before any step (set-up) repeat at the step after the checkpoint.
+    _attempt(run_dir, 5, from_step=10, reached=10)
+    _attempt(run_dir, 6, from_step=10, reached=10)
+    assert backoff_s(run_dir, 7) == 2

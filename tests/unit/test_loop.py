@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import pytest
@@ -135,3 +137,52 @@ def test_recovery_blames_the_dead_process_not_the_peer_that_lost_its_connection(
     recovery = Recovery(run_dir, from_step=10)
     assert (recovery.failed_rank, recovery.cause) == (1, "worker process died")
     assert (recovery.reached_step, recovery.attempt) == (13, 2)
+
+
+def test_errors_in_set_up_are_classified_and_name_what_failed(tmp_path):
+    bad = tmp_path / "images.gz"
+    bad.write_bytes(b"not an idx file at all")
+    cases = {
+        "model": ({"model": {"name": "custom", "factory": "tests.helpers.bad_model:unbuildable"}},
+                  "building the model (model.name = custom)", "3 heads on a width of 128"),
+        "data": ({"dataset": {"name": "idx", "images": str(bad), "labels": str(bad)}},
+                 "loading the dataset (dataset.name = idx)", str(bad)),
+        "small": ({"dataset": {"name": "synthetic", "size": 20}}, "setting up",
+                  "fewer than one global batch (training.global_batch_size = 32)"),
+    }
+    for name, (overrides, activity, cause) in cases.items():
+        spec = job(tmp_path, f"setup-{name}", **overrides)
+        with pytest.raises(DeterministicTrainingError) as info:
+            train(spec, env())
+        assert activity in str(info.value) and cause in str(info.value), (name, str(info.value))
+        (failed,) = events.events(spec.run_dir, "worker_failed")
+        assert failed["classification"] == DETERMINISTIC and failed["activity"].startswith(activity.split(" (")[0])
+        # The attempt counted even though it never trained.
+        assert [e["attempt"] for e in events.events(spec.run_dir, "attempt_started")] == [1]
+        assert events.events(spec.run_dir, "training_started") == []
+
+
+def test_a_checkpoint_that_cannot_be_loaded_is_skipped_for_the_one_before(tmp_path):
+    digest = train(job(tmp_path, "twin"), env())["weights_sha256"]
+    spec = job(tmp_path, "damaged", faults=[{"at_step": 25, "rank": 0, "kind": "exception"}])
+    with pytest.raises(InjectedFault):
+        train(spec, env())
+    # A shard that passes its checksum (the manifest is rewritten to match) but that torch
+    # cannot read: what a writer of another version, or a bug, leaves behind.
+    newest = checkpoint.latest(spec.run_dir)[1]
+    assert newest.endswith("step-000020")
+    with open(os.path.join(newest, "state.pt"), "wb") as f:
+        f.write(b"garbage")
+    manifest_path = os.path.join(newest, checkpoint.MANIFEST)
+    manifest = json.load(open(manifest_path))
+    manifest["files"]["state.pt"] = {"bytes": 7, "sha256": hashlib.sha256(b"garbage").hexdigest()}
+    json.dump(manifest, open(manifest_path, "w"))
+
+    resumed = train(spec, env())
+    assert resumed["weights_sha256"] == digest
+    (skipped,) = events.events(spec.run_dir, "checkpoint_skipped")
+    assert skipped["step"] == 20 and "UnpicklingError" in skipped["error"] or "pickle" in skipped["error"].lower()
+    assert events.events(spec.run_dir, "training_started")[-1]["from_step"] == 10
+    assert events.events(spec.run_dir, "resumed")[-1]["from_step"] == 10
+    # Set aside, not deleted, and never tried again.
+    assert any(n.startswith(".unloadable-step-000020") for n in os.listdir(checkpoint.root(spec.run_dir)))

@@ -100,12 +100,12 @@ def test_a_world_size_that_does_not_divide_the_batch_still_covers_it_once():
 
 
 def test_world_larger_than_the_global_batch_is_rejected():
-    with pytest.raises(ValueError, match=r"global batch 3 is smaller than the world size 4"):
+    with pytest.raises(ValueError, match=r"training.global_batch_size \(3\) is smaller than the 4 data-parallel ranks"):
         ResumableDistributedSampler(100, 3, rank=0, world_size=4, seed=0)
 
 
 def test_fewer_samples_than_one_global_batch_is_rejected():
-    with pytest.raises(ValueError, match=r"has 30 samples, fewer than one global batch \(64\)"):
+    with pytest.raises(ValueError, match=r"has 30 samples, fewer than one global batch \(training.global_batch_size = 64\)"):
         ResumableDistributedSampler(30, 64, rank=0, world_size=1, seed=0)
 
 

@@ -17,9 +17,11 @@ class ResumableDistributedSampler:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         if global_batch < world_size:
-            raise ValueError(f"global batch {global_batch} is smaller than the world size {world_size}")
+            raise ValueError(f"training.global_batch_size ({global_batch}) is smaller than the {world_size} data-parallel "
+                             "ranks that share it")
         if num_samples < global_batch:
-            raise ValueError(f"the training set has {num_samples} samples, fewer than one global batch ({global_batch})")
+            raise ValueError(f"the training split has {num_samples} samples, fewer than one global batch "
+                             f"(training.global_batch_size = {global_batch}): use more data or a smaller batch")
         self.num_samples = num_samples
         self.global_batch = global_batch
         # r*G//W, not r*(G//W): slices differ by at most one sample when W does not divide G.
