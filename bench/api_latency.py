@@ -249,7 +249,9 @@ def seed_busy_run_dir(run_dir: str, n_events: int, n_metrics: int) -> int:
     os.makedirs(run_dir, exist_ok=True)
     now = time.time()
     records = [{"event": "job_started", "time": now, "pid": 1, "ray_address": None},
-               {"event": "attempt_started", "time": now, "attempt": 1, "world_size": 2,
+               {"event": "attempt_started", "time": now, "attempt": 1, "world_size": 2, "from_step": 0,
+                "checkpoint": None},
+               {"event": "training_started", "time": now, "attempt": 1, "world_size": 2,
                 "total_steps": 50 * max(1, n_events), "from_step": 0, "checkpoint": None},
                {"event": "worker_started", "time": now, "attempt": 1, "rank": 0, "pid": 2, "node_id": "n"},
                {"event": "worker_started", "time": now, "attempt": 1, "rank": 1, "pid": 3, "node_id": "n"}]

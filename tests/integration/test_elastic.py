@@ -119,7 +119,7 @@ def test_elastic_job_shrinks_on_lost_node_and_grows_back(ray_cluster, tmp_path):
     # The undisturbed run's length: 8 epochs of the 3600 training samples in batches of
     # 30 (each attempt computes it from the data, whatever its worker count).
     undisturbed_steps = 8 * (3600 // 30)
-    assert {a["total_steps"] for a in outcome.events("attempt_started")} == {undisturbed_steps}
+    assert {a["total_steps"] for a in outcome.events("training_started")} == {undisturbed_steps}
     assert summary["final_step"] == undisturbed_steps
     # Every step of the final lineage was trained: resumed attempts pick up where their
     # checkpoint left off, with no step skipped.

@@ -123,3 +123,4 @@ def test_two_local_runs_started_at_once_leave_each_other_alone(twin, tmp_path):
         assert outcome.rc == 0, outcome.output[-3000:]
         assert outcome.summary["weights_sha256"] == twin.summary["weights_sha256"]
         assert "multiple active Ray instances" not in outcome.output
+

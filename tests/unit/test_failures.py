@@ -1,4 +1,4 @@
-"""workers/failures.py: classification and the Ray Train controller callback."""
+"""workers/failures.py (classification, blame, back-off) and workers/recorder.py (the controller callback)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from workers.failures import (
     INFRASTRUCTURE,
     TRANSIENT,
     DeterministicTrainingError,
-    FailureRecorder,
     classify,
     record_worker_error,
     signature,
 )
 from workers.faults import InjectedFault
+from workers.recorder import FailureRecorder
 
 
 @pytest.mark.parametrize("exc", [
