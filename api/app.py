@@ -12,11 +12,12 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from api.deps import UNAUTHORIZED, token_ok
 from api.routes import cluster, health, jobs
 from service import ledger
 from service.admission import Rejected
 from service.gateway import Gateway, GatewayError, RayGateway
-from service.jobs import NotRunning
+from service.jobs import NotRunning, RunDirTaken
 from service.lifecycle import IllegalTransition
 from service.metrics import ServiceMetrics
 from service.reconciler import Reconciler
@@ -53,6 +54,25 @@ class BodyLimit:
                 break
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, _replay([body], receive), send)
+
+
+class BearerAuth:
+    """401 for a /v1 request without the token, before anything reads its body: FastAPI
+    parses a body before it runs dependencies, so a stranger's malformed body got 422 and
+    an oversized one 413. Outermost, so it answers before BodyLimit too."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            authorization = next((v.decode("latin-1") for k, v in scope.get("headers") or [] if k == b"authorization"),
+                                 None)
+            if not token_ok(authorization, scope["app"].state.token):
+                response = JSONResponse({"detail": UNAUTHORIZED}, status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _replay(messages: list, receive):
@@ -131,6 +151,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None, *, reconcile:
         return response
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BearerAuth)  # added last: the outermost, so the first to answer
     _error_handlers(app)
     return app
 
@@ -159,6 +180,7 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ledger.DuplicateJob)
     @app.exception_handler(ledger.KeyReused)
     @app.exception_handler(NotRunning)
+    @app.exception_handler(RunDirTaken)
     async def conflict(_: Request, exc: Exception):
         return reply(409, str(exc))
 

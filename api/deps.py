@@ -28,11 +28,22 @@ async def get_gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
+UNAUTHORIZED = "missing or wrong bearer token"
+
+
+def token_ok(authorization: str | None, expected: str) -> bool:
+    """`Authorization: Bearer <expected>`, parsed as HTTPBearer does, compared in constant time."""
+    scheme, _, credentials = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and bool(credentials) and \
+        secrets.compare_digest(credentials.encode(), expected.encode())
+
+
 async def require_token(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    expected = request.app.state.token
-    if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), expected.encode()):
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token",
-                            headers={"WWW-Authenticate": "Bearer"})
+    # api.app.BearerAuth has checked already, before the body was read; this dependency
+    # is what puts the bearer scheme in the OpenAPI document (and guards an app without it).
+    given = f"Bearer {credentials.credentials}" if credentials else None
+    if not token_ok(given, request.app.state.token):
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

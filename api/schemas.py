@@ -6,8 +6,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from service.jobs import PHASES
+
 
 class Progress(BaseModel):
+    phase: str = Field("queued", description=f"What the job is doing: {', '.join(PHASES)}. `starting`: Ray has it but "
+                       "no worker of the current attempt has completed a step; faults can be injected only while "
+                       "`training`.")
     step: int = Field(0, description="Steps completed.")
     total_steps: int | None = Field(None, description="Steps the job will run.")
     epoch: int | None = Field(None, description="Epoch of the latest step.")
@@ -25,6 +30,8 @@ class JobPublic(BaseModel):
     restarts: int = Field(0, description="Attempts after the first (recoveries).")
     resubmits: int = Field(0, description="Times the Ray driver was lost and the job resubmitted.")
     steps_recomputed: int = Field(0, description="Steps trained again after failures.")
+    recovery_s: list[float | None] = Field(default_factory=list,
+                                           description="Seconds from each failure to the next completed step.")
     progress: Progress = Field(default_factory=Progress)
     latest_metrics: dict[str, Any] | None = Field(None, description="The newest metrics line.")
     latest_checkpoint: dict[str, Any] | None = Field(None, description="The newest committed checkpoint.")

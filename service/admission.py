@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from service.settings import Settings
-from workers.spec import JobSpec
+from workers.spec import MODELS, JobSpec
 
 
 class Rejected(ValueError):
@@ -23,7 +23,7 @@ def admit(spec: JobSpec, settings: Settings, capacity: dict[str, Any] | None) ->
     if spec.model.name == "custom" and not settings.allow_custom_models:
         raise Rejected(("body", "model", "name"),
                        "model 'custom' runs code named in the request and is disabled on this service; "
-                       "allowed: simple_cnn, resnet18, mlp")
+                       f"allowed: {', '.join(m for m in MODELS if m != 'custom')}")
     roots = settings.allowed_data_roots
     for field in ("root", "images", "labels"):
         path = getattr(spec.dataset, field)
@@ -32,8 +32,12 @@ def admit(spec: JobSpec, settings: Settings, capacity: dict[str, Any] | None) ->
         # A NUL byte makes realpath raise, and no file name can hold one: reject it like any bad path.
         real = "" if "\x00" in path else os.path.realpath(path)
         if not os.path.isabs(path) or not any(real == r or real.startswith(r + os.sep) for r in roots):
+            # Only where the files are is checked, not that they exist: a spec with
+            # fallback_to_synthetic may name files this machine lacks.
             raise Rejected(("body", "dataset", field),
-                           f"dataset.{field} must be an absolute path inside one of: {', '.join(roots)}")
+                           f"dataset.{field} must be an absolute path inside one of: {', '.join(roots)}; "
+                           "to allow another directory, start the service with `etrain serve --dataset-root DIR` "
+                           "(or set ETRAIN_DATASET_ROOTS)")
     if capacity is not None:
         cpus, gpus = capacity.get("cpus", {}).get("total", 0), capacity.get("gpus", {}).get("total", 0)
         # An elastic job starts once its minimum fits.

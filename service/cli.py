@@ -1,14 +1,19 @@
-"""`etrain`: serve the API, and a client of it for everything else."""
+"""`etrain`: serve the API, and a client of it for everything else.
+
+Every expected failure (server down, wrong URL, bad spec file, a refused request, Ray
+not starting) ends in one line, `error: ...`, and a non-zero exit: never a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
+from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import httpx
 import typer
@@ -20,32 +25,93 @@ from rich.table import Table
 
 from service.settings import Settings, ensure_token
 
-app = typer.Typer(help="elastic-train: distributed PyTorch training that survives failures.", no_args_is_help=True)
+# No locals in tracebacks of unexpected errors: they would print the API token.
+app = typer.Typer(help="elastic-train: distributed PyTorch training that survives failures.", no_args_is_help=True,
+                  pretty_exceptions_show_locals=False)
 console = Console()
+err_console = Console(stderr=True)
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
-FAILURE_EVENTS = ("worker_failed", "fault_injected", "driver_lost")
 ROOT = Path(__file__).resolve().parents[1]
 
 UrlOpt = Annotated[str, typer.Option("--url", envvar="ETRAIN_URL", help="API address.")]
 DataDirOpt = Annotated[Optional[Path], typer.Option("--data-dir", help="Data directory (ledger, token, runs).")]
 
 
+class Output(str, Enum):
+    text = "text"
+    json = "json"
+
+
+OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="text for people, json for scripts.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            console.print(f"etrain {version('elastic-train')}", highlight=False)
+        except PackageNotFoundError:
+            console.print("etrain (not installed; run `pip install -e .`)", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """elastic-train: distributed PyTorch training that survives failures."""
+
+
 # ---------------------------------------------------------------- client helpers
 
-def _client(url: str, data_dir: Path | None = None) -> httpx.Client:
-    settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
-    token = os.environ.get("ETRAIN_TOKEN") or settings.token
-    if not token:
-        path = settings.data_dir / "token"
-        if not path.exists():
-            _fail(f"no API token: set ETRAIN_TOKEN or start `etrain serve` (it writes {path})")
-        token = path.read_text().strip()
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-
-
 def _fail(message: str, code: int = 1):
-    console.print(f"[red]error:[/red] {escape(message)}")
+    # soft_wrap: one line whatever the terminal's width.
+    err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
     raise typer.Exit(code)
+
+
+def _token(data_dir: Path | None) -> str:
+    token = os.environ.get("ETRAIN_TOKEN")
+    if token:
+        return token
+    try:
+        settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
+    except ValueError as e:
+        _fail(f"bad ETRAIN_* setting: {_one_line(e)}")
+    if settings.token:
+        return settings.token
+    path = settings.data_dir / "token"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        _fail(f"no API token: set ETRAIN_TOKEN, or --data-dir to the directory of `etrain serve` ({path} is missing)")
+    except OSError as e:
+        _fail(f"cannot read the API token in {path}: {e.strerror or e}")
+
+
+@contextlib.contextmanager
+def _client(url: str, data_dir: Path | None = None, token: str | None = None) -> Iterator[httpx.Client]:
+    """An API client; any failure to talk to the API inside the block is one error line."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        parsed, reason = None, str(e)
+    else:
+        reason = "it needs http:// or https:// and a host"
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host or "%" in parsed.host:
+        _fail(f"invalid API URL {url!r}: {reason} (set --url or ETRAIN_URL, e.g. http://127.0.0.1:8000)")
+    headers = {"Authorization": f"Bearer {token or _token(data_dir)}"}
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+            yield client
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
+        _fail(f"invalid API URL {url!r} (set --url or ETRAIN_URL, e.g. http://127.0.0.1:8000): {e}")
+    except httpx.ConnectError:
+        _fail(f"cannot reach the API at {url}; is `etrain serve` running?")
+    except httpx.TimeoutException:
+        _fail(f"the API at {url} did not answer in time")
+    except httpx.HTTPError as e:
+        _fail(f"talking to the API at {url} failed: {type(e).__name__}: {e}")
 
 
 def _call(response: httpx.Response) -> dict:
@@ -53,20 +119,37 @@ def _call(response: httpx.Response) -> dict:
         try:
             body = response.json()
             detail = body.get("message") or body.get("detail")
-        except ValueError:
-            detail = response.text
-        _fail(f"{response.status_code}: {detail}")
-    return response.json()
+        except (ValueError, AttributeError):
+            detail = response.text[:300]
+        if not detail:  # not the etrain API: say who answered
+            detail = f"{response.reason_phrase} from {response.request.url}"
+        unauthorized = response.status_code == 401
+        hint = " (the API token is ETRAIN_TOKEN, or <data dir>/token of `etrain serve`)" if unauthorized else ""
+        _fail(f"{response.status_code}: {_one_line(detail)}{hint}")
+    try:
+        return response.json()
+    except ValueError:
+        _fail(f"{response.request.url} answered with something that is not the etrain API (no JSON)")
 
 
 def _request(client: httpx.Client, method: str, path: str, **kw) -> dict:
-    try:
-        return _call(client.request(method, path, **kw))
-    except httpx.ConnectError:
-        _fail(f"cannot reach the API at {client.base_url}; is `etrain serve` running?")
+    return _call(client.request(method, path, **kw))
+
+
+def _one_line(value) -> str:
+    from pydantic import ValidationError
+
+    if isinstance(value, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in value.errors())
+    return " ".join(str(value).split())
 
 
 # ---------------------------------------------------------------- serve
+
+def _say(message: str) -> None:
+    # One line each however narrow the terminal: serve's output often goes to a log file.
+    console.print(message, soft_wrap=True, highlight=False)
+
 
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt
@@ -80,58 +163,105 @@ def serve(
     ray_port: Annotated[int, typer.Option(help="GCS port of the embedded Ray head.")] = 6379,
     dashboard_port: Annotated[int, typer.Option(help="Dashboard port of the embedded Ray head.")] = 8265,
     num_cpus: Annotated[Optional[int], typer.Option(help="Logical CPUs of the embedded Ray head.")] = None,
+    dataset_root: Annotated[Optional[list[Path]], typer.Option(
+        "--dataset-root", help="A directory jobs may read dataset files from (repeatable; adds to "
+        "ETRAIN_DATASET_ROOTS and <data dir>/datasets).")] = None,
 ):
     """Run the API; with no RAY_ADDRESS, start a local Ray head too. Ctrl-C stops both."""
+    from pydantic import ValidationError
+
+    from service.embedded import RayStartError
+    from service.gateway import GatewayError
+
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, cleanup included
+    head = []
+    try:
+        _serve(data_dir, host, port, ray_port, dashboard_port, num_cpus, dataset_root or [], head)
+    except KeyboardInterrupt:
+        pass
+    except (RayStartError, GatewayError) as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"{e.strerror or e}{f': {e.filename}' if getattr(e, 'filename', None) else ''}")
+    except ValidationError as e:  # a bad ETRAIN_* setting
+        _fail(f"bad setting: {_one_line(e)}")
+    finally:
+        if head:
+            _say("stopping the local Ray head ...")
+            head[0].stop()
+
+
+def _serve(data_dir, host, port, ray_port, dashboard_port, num_cpus, dataset_roots, head: list) -> None:
     import uvicorn
+    from sqlalchemy.exc import SQLAlchemyError
 
     from api.app import create_app
-    from service.embedded import EmbeddedRay
+    from service.embedded import EmbeddedRay, port_free
+    from workers import ray_token
 
     overrides = {k: v for k, v in {"data_dir": data_dir, "host": host, "port": port}.items() if v is not None}
     settings = Settings(**overrides)
+    # Flags add to ETRAIN_DATASET_ROOTS; a relative one means from here.
+    settings = settings.model_copy(update={"dataset_roots": [*settings.dataset_roots,
+                                                             *(p.expanduser().resolve() for p in dataset_roots)]})
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if not port_free(settings.host, settings.port):
+        _fail(f"port {settings.port} on {settings.host} is in use (--port); stop what holds it or choose another port")
     token, created = ensure_token(settings)
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    head = None
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, cleanup included
+    # Before ray is imported (it reads RAY_AUTH_MODE once) and before the head starts: a
+    # machine that never ran Ray has no token, and `ray start` refuses to start without one.
+    ray_token.ensure()
+    if not settings.ray_address:
+        node = EmbeddedRay(gcs_port=ray_port, dashboard_port=dashboard_port,
+                           num_cpus=num_cpus or settings.ray_num_cpus, log_path=str(settings.data_dir / "ray-head.log"))
+        _say(f"starting a local Ray head (dashboard {node.dashboard_url}) ...")
+        head.append(node)
+        node.start()
+        settings = settings.model_copy(update={"ray_address": node.gcs_address, "dashboard_url": node.dashboard_url})
     try:
-        if not settings.ray_address:
-            head = EmbeddedRay(gcs_port=ray_port, dashboard_port=dashboard_port,
-                               num_cpus=num_cpus or settings.ray_num_cpus, log_path=str(settings.data_dir / "ray-head.log"))
-            console.print(f"starting a local Ray head (dashboard {head.dashboard_url}) ...")
-            head.start()
-            settings = settings.model_copy(update={"ray_address": head.gcs_address, "dashboard_url": head.dashboard_url})
         application = create_app(settings)
-        application.state.gateway.connect()
-        # ray.init installed a native SIGTERM handler that exits at once: put ours back
-        # (uvicorn restores it after its graceful shutdown, then re-raises the signal).
-        signal.signal(signal.SIGTERM, _interrupt)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if created:
-            console.print(f"API token (shown once; also in {settings.data_dir / 'token'}): [bold]{token}[/bold]")
-        console.print(f"API on http://{settings.host}:{settings.port}  docs /docs  Ray dashboard {settings.dashboard_url}")
-        uvicorn.run(application, host=settings.host, port=settings.port, log_level="warning")
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if head is not None:
-            console.print("stopping the local Ray head ...")
-            head.stop()
+    except SQLAlchemyError as e:
+        _fail(f"cannot open the ledger at {settings.db_url.split('@')[-1]}: {_one_line(e.orig or e)}")
+    application.state.gateway.connect()
+    # ray.init installed a native SIGTERM handler that exits at once: put ours back
+    # (uvicorn restores it after its graceful shutdown, then re-raises the signal).
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    token_file = settings.data_dir / "token"
+    if created:
+        # The token itself only to a terminal: `etrain demo` and service managers send
+        # this output to log files.
+        shown = f": [bold]{token}[/bold]" if sys.stdout.isatty() else ""
+        _say(f"API token written to {escape(str(token_file))} (owner-only){shown}")
+    elif not settings.token:
+        _say(f"API token in {escape(str(token_file))}")
+    _say(f"jobs may read datasets under: {escape(', '.join(settings.allowed_data_roots))}")
+    _say(f"API on http://{settings.host}:{settings.port}  docs /docs  Ray dashboard {settings.dashboard_url}")
+    uvicorn.run(application, host=settings.host, port=settings.port, log_level="warning")
 
 
 # ---------------------------------------------------------------- jobs
 
 def _load_spec(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        _fail(f"cannot read {path}: {e}", 2)
+        text = path.read_text()
+    except OSError as e:
+        _fail(f"cannot read the spec {path}: {e.strerror or e}", 2)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        _fail(f"{path} is not valid YAML or JSON: {getattr(e, 'problem', None) or _one_line(e)}{where}", 2)
     if not isinstance(data, dict):
-        _fail(f"{path}: a spec is a mapping of fields", 2)
-    for key in ("images", "labels", "root"):  # the service wants absolute dataset paths
-        value = (data.get("dataset") or {}).get(key) if isinstance(data.get("dataset"), dict) else None
-        if value and not os.path.isabs(value):
-            data["dataset"][key] = str((path.parent / value).resolve())
+        _fail(f"{path}: a spec is a mapping of fields, got {type(data).__name__}", 2)
+    dataset = data.get("dataset")
+    for key in ("images", "labels", "root"):
+        value = dataset.get(key) if isinstance(dataset, dict) else None
+        if isinstance(value, str) and value:
+            # The service wants absolute paths. Resolved as `python -m workers.run` resolves
+            # them (from the working directory), so one spec file names the same files both ways.
+            dataset[key] = os.path.abspath(os.path.expanduser(value))
     return data
 
 
@@ -143,75 +273,115 @@ def submit(
     url: UrlOpt = "http://127.0.0.1:8000", data_dir: DataDirOpt = None,
 ):
     """Submit a job."""
+    body = _load_spec(spec)
     with _client(url, data_dir) as client:
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        job = _request(client, "POST", "/v1/jobs", json=_load_spec(spec), headers=headers)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
+        job = _request(client, "POST", "/v1/jobs", json=body, headers=headers)
         console.print(f"job [bold]{job['id']}[/bold] {job['state']}  ({job.get('dashboard_url') or 'not yet on Ray'})")
         if watch:
             job = watch_job(client, job["id"])
             raise typer.Exit(0 if job["state"] == "SUCCEEDED" else 1)
 
 
-def _progress_table(job: dict, notes: list[str]) -> Table:
-    p, m = job.get("progress") or {}, job.get("latest_metrics") or {}
+def _state(job: dict) -> str:
+    phase = (job.get("progress") or {}).get("phase")
+    return f"[bold]{job['state']}[/bold]" + (f" ({phase})" if phase and phase != job["state"].lower() else "")
+
+
+def _progress_table(job_id: str, job: dict | None, notes: list[str], alert: str | None = None) -> Table:
     table = Table(show_header=False, box=None)
-    table.add_row("job", f"{job['id']}  [bold]{job['state']}[/bold]")
-    total = p.get("total_steps")
-    bar = ""
-    if total:
-        done = int(30 * min(1.0, (p.get("step") or 0) / total))
-        bar = "[" + "#" * done + "." * (30 - done) + "]"
-    table.add_row("step", f"{p.get('step') or 0} of {total or '?'} {bar}  epoch {p.get('epoch')}")
-    if m:
-        table.add_row("loss", f"{m.get('loss', float('nan')):.4f}   {m.get('samples_per_s', 0):.0f} samples/s")
-    table.add_row("restarts", f"{job.get('restarts', 0)}   steps recomputed {job.get('steps_recomputed', 0)}")
+    table.add_row("job", f"{job_id}  {_state(job)}" if job else job_id)
+    if job:
+        p, m = job.get("progress") or {}, job.get("latest_metrics") or {}
+        total = p.get("total_steps")
+        bar = ""
+        if total:
+            done = int(30 * min(1.0, (p.get("step") or 0) / total))
+            bar = "[" + "#" * done + "." * (30 - done) + "]"
+        table.add_row("step", f"{p.get('step') or 0} of {total or '?'} {escape(bar)}  epoch {p.get('epoch')}")
+        if m:
+            table.add_row("loss", f"{m.get('loss', float('nan')):.4f}   {m.get('samples_per_s', 0):.0f} samples/s")
+        table.add_row("restarts", f"{job.get('restarts', 0)}   steps recomputed {job.get('steps_recomputed', 0)}")
+    if alert:
+        table.add_row("", alert)
     for note in notes[-5:]:
         table.add_row("", note)
     return table
 
 
-def watch_job(client: httpx.Client, job_id: str, on_tick=None) -> dict:
-    """Live progress until the job ends; each recovery is shown as it happens."""
+class _Unreachable(Exception):
+    """The API did not answer this time (down, restarting, overloaded)."""
+
+
+def _poll(client: httpx.Client, path: str) -> dict:
+    """A GET for watching: an API that is away raises _Unreachable, not an error line."""
+    try:
+        response = client.get(path, timeout=10)
+    except httpx.UnsupportedProtocol:
+        raise
+    except httpx.TransportError as e:  # refused, reset, timed out
+        raise _Unreachable(type(e).__name__) from e
+    if response.status_code >= 500:  # restarting behind a proxy, or Ray-side trouble
+        raise _Unreachable(str(response.status_code))
+    return _call(response)
+
+
+def watch_job(client: httpx.Client, job_id: str, on_tick=None, interval_s: float = 1.0) -> dict:
+    """Live progress until the job ends; each recovery is shown as it happens. While the
+    API is away (restarted, say) it keeps retrying, and carries on once it is back."""
     notes: list[str] = []
     seen, announced = 0, False
+    job, down_since = None, None
     with Live(console=console, refresh_per_second=4) as live:
         while True:
-            job = _request(client, "GET", f"/v1/jobs/{job_id}")
-            history = _request(client, "GET", f"/v1/jobs/{job_id}/events")["data"]
+            try:
+                job = _poll(client, f"/v1/jobs/{job_id}")
+                history = _poll(client, f"/v1/jobs/{job_id}/events")["data"]
+            except _Unreachable:
+                down_since = down_since or time.monotonic()
+                live.update(_progress_table(job_id, job, notes, "[yellow]API unreachable, retrying...[/yellow]"))
+                time.sleep(interval_s)
+                continue
+            if down_since is not None:
+                notes.append(f"API was unreachable for {time.monotonic() - down_since:.0f}s; reconnected")
+                down_since = None
             resumed = [e for e in history if e["event"] == "resumed"]
             for r in resumed[seen:]:
                 notes.append(f"[yellow]recovered[/yellow]: rank {r.get('failed_rank')} failed ({escape(str(r.get('cause')))}); "
                              f"resumed from step {r['from_step']}, {r['lost_steps']} step(s) recomputed, "
                              f"{r['recovery_s']:.1f}s to the next step")
-                announced = False
             seen = len(resumed)
-            # From the events, not the job state, which the reconciler updates a tick later.
-            last_failure = max((e["time"] for e in history if e["event"] in FAILURE_EVENTS), default=0)
-            unexplained = last_failure > max((e["time"] for e in resumed), default=0)
-            if unexplained and not announced and job["state"] not in TERMINAL:
+            # The phase is read from the run directory on each request: no reconciler lag.
+            recovering = (job.get("progress") or {}).get("phase") == "recovering"
+            if recovering and not announced and job["state"] not in TERMINAL:
                 notes.append("[red]a worker failed[/red]: recovering from the newest checkpoint ...")
-                announced = True
-            live.update(_progress_table(job, notes))
+            announced = recovering
+            live.update(_progress_table(job_id, job, notes))
             if on_tick:
                 on_tick(job)
             if job["state"] in TERMINAL:
                 return job
-            time.sleep(1)
+            time.sleep(interval_s)
 
 
 @app.command("list")
 def list_jobs(
     state: Annotated[Optional[str], typer.Option(help="Only jobs in this state.")] = None,
-    limit: int = 20, url: UrlOpt = "http://127.0.0.1:8000", data_dir: DataDirOpt = None,
+    limit: int = 20, output: OutputOpt = Output.text, url: UrlOpt = "http://127.0.0.1:8000",
+    data_dir: DataDirOpt = None,
 ):
     """Jobs, newest first."""
     with _client(url, data_dir) as client:
         params = {"limit": limit, **({"state": state.upper()} if state else {})}
         page = _request(client, "GET", "/v1/jobs", params=params)
-    table = Table("id", "state", "step", "restarts", "loss", "created")
+    if output == Output.json:
+        sys.stdout.write(json.dumps(page, indent=2) + "\n")
+        return
+    table = Table("id", "state", "phase", "step", "restarts", "loss", "created")
     for j in page["data"]:
         m = j.get("latest_metrics") or {}
-        table.add_row(j["id"], j["state"], f"{j['progress']['step']}/{j['progress'].get('total_steps') or '?'}",
+        table.add_row(j["id"], j["state"], j["progress"].get("phase", ""),
+                      f"{j['progress']['step']}/{j['progress'].get('total_steps') or '?'}",
                       str(j["restarts"]), f"{m['loss']:.4f}" if "loss" in m else "",
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j["created_at"])))
     console.print(table)
@@ -219,10 +389,34 @@ def list_jobs(
 
 
 @app.command()
-def status(job_id: str, url: UrlOpt = "http://127.0.0.1:8000", data_dir: DataDirOpt = None):
-    """One job in full, as JSON."""
+def status(job_id: str, output: OutputOpt = Output.text, url: UrlOpt = "http://127.0.0.1:8000",
+           data_dir: DataDirOpt = None):
+    """One job: a short summary, or everything with --output json."""
     with _client(url, data_dir) as client:
-        console.print_json(json.dumps(_request(client, "GET", f"/v1/jobs/{job_id}")))
+        job = _request(client, "GET", f"/v1/jobs/{job_id}")
+    if output == Output.json:
+        sys.stdout.write(json.dumps(job, indent=2) + "\n")
+        return
+    p, m = job.get("progress") or {}, job.get("latest_metrics") or {}
+    table = Table(show_header=False, box=None)
+    table.add_row("job", f"{job['id']}  {_state(job)}")
+    table.add_row("step", f"{p.get('step') or 0} of {p.get('total_steps') or '?'}"
+                  + (f"  (epoch {p['epoch']})" if p.get("epoch") is not None else ""))
+    if "loss" in m:
+        table.add_row("loss", f"{m['loss']:.4f}")
+    recoveries = [f"{r:.1f}s" for r in job.get("recovery_s") or [] if r is not None]
+    table.add_row("restarts", f"{job.get('restarts', 0)}   steps recomputed {job.get('steps_recomputed', 0)}"
+                  + (f"   recoveries {', '.join(recoveries)}" if recoveries else ""))
+    if job.get("resubmits"):
+        table.add_row("resubmits", f"{job['resubmits']} (the Ray driver was lost)")
+    result = job.get("result") or {}
+    if result.get("val_accuracy") is not None:
+        table.add_row("accuracy", f"{result['val_accuracy']:.4f}")
+    if job.get("error"):
+        table.add_row("error", escape(job["error"].get("message") or ""))
+    if job.get("dashboard_url"):
+        table.add_row("ray", job["dashboard_url"])
+    console.print(table)
 
 
 @app.command()
@@ -256,7 +450,7 @@ def cancel(job_id: str, url: UrlOpt = "http://127.0.0.1:8000", data_dir: DataDir
 @app.command()
 def fault(job_id: str, rank: Annotated[Optional[int], typer.Option(help="Rank to kill; random if omitted.")] = None,
           url: UrlOpt = "http://127.0.0.1:8000", data_dir: DataDirOpt = None):
-    """Kill one worker of a running job now, to see recovery work."""
+    """Kill one worker of a training job now, to see recovery work."""
     with _client(url, data_dir) as client:
         result = _request(client, "POST", f"/v1/jobs/{job_id}/faults", json={"rank": rank})
     console.print(f"killed rank {result['rank']} (pid {result['pid']}) of job {job_id}")
@@ -270,10 +464,14 @@ def demo(
     kill_at_step: Annotated[int, typer.Option(help="Kill a worker once the job passes this step.")] = 120,
 ):
     """Start the local stack, train a 2-worker job, kill a worker mid-run, watch it recover."""
-    from service.demo import run_demo
+    from service.demo import DemoError, run_demo
 
-    raise typer.Exit(run_demo(data_dir=data_dir, port=port, ray_port=ray_port, dashboard_port=dashboard_port,
-                              kill_at_step=kill_at_step, console=console))
+    try:
+        code = run_demo(data_dir=data_dir, port=port, ray_port=ray_port, dashboard_port=dashboard_port,
+                        kill_at_step=kill_at_step, console=console)
+    except DemoError as e:
+        _fail(str(e))
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -34,18 +33,34 @@ def demo_spec() -> tuple[dict, str | None]:
     return spec, f"notice: {MNIST} not found; training on the synthetic dataset instead"
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+class DemoError(RuntimeError):
+    """The demo could not run; the message is one line."""
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"`etrain serve` exited with code {proc.returncode}")
+            raise DemoError(f"the local service did not start: {_serve_cause(log)} (full output in {log})")
         try:
             if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise RuntimeError(f"the API at {url} was not ready after {timeout:.0f}s")
+    raise DemoError(f"the API at {url} was not ready after {timeout:.0f}s (output in {log})")
+
+
+def _serve_cause(log: Path) -> str:
+    """`etrain serve` says why it stopped in its last `error:` line; else the log's cause."""
+    from service.embedded import log_cause
+
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    said = next((line for line in reversed(lines) if line.startswith("error: ")), None)
+    return said[len("error: "):] if said else (log_cause(str(log)) or "it exited without saying why")
 
 
 def run_demo(*, data_dir: Path | None, port: int, ray_port: int, dashboard_port: int, kill_at_step: int,
@@ -55,29 +70,33 @@ def run_demo(*, data_dir: Path | None, port: int, ray_port: int, dashboard_port:
     data_dir = Path(data_dir or tempfile.mkdtemp(prefix="etrain-demo-"))
     data_dir.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "ETRAIN_DATASET_ROOTS": json.dumps([str(MNIST)]), "RAY_AUTH_MODE": "token"}
-    env.pop("RAY_ADDRESS", None)
-    env.pop("ETRAIN_RAY_ADDRESS", None)
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    for name in ("RAY_ADDRESS", "ETRAIN_RAY_ADDRESS", "ETRAIN_TOKEN"):  # the demo's own stack, its own token
+        env.pop(name, None)
     console.print(f"[bold]1.[/bold] starting Ray and the API (data in {data_dir}) ...")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir), "--port", str(port),
-         "--ray-port", str(ray_port), "--dashboard-port", str(dashboard_port), "--num-cpus", "4"],
-        env=env, cwd=ROOT, stdout=open(data_dir / "serve.log", "ab"),
-        stderr=subprocess.STDOUT,
-    )
+    log = data_dir / "serve.log"
+    with open(log, "ab") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir), "--port", str(port),
+             "--ray-port", str(ray_port), "--dashboard-port", str(dashboard_port), "--num-cpus", "4",
+             "--dataset-root", str(MNIST)],
+            env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        )
     try:
-        _wait_ready(url, server)
+        _wait_ready(url, server, log)
         spec, notice = demo_spec()
         if notice:
             console.print(notice)
-        with _client(url, data_dir) as client:
+        # The token of the stack just started, even where ETRAIN_TOKEN names another one.
+        with _client(url, token=(data_dir / "token").read_text().strip()) as client:
             job = _request(client, "POST", "/v1/jobs", json=spec, headers={"Idempotency-Key": f"demo-{time.time()}"})
             console.print(f"[bold]2.[/bold] submitted job {job['id']}; Ray job {job['submission_id']}")
             console.print(f"[bold]3.[/bold] training; a worker is killed through the API after step {kill_at_step}")
             killed = {}
 
             def chaos(j: dict) -> None:
-                if not killed and j["state"] == "RUNNING" and (j["progress"].get("step") or 0) >= kill_at_step:
+                training = j["progress"].get("phase") == "training"  # its workers are up: one can be killed
+                if not killed and training and (j["progress"].get("step") or 0) >= kill_at_step:
                     killed.update(_request(client, "POST", f"/v1/jobs/{j['id']}/faults", json={"rank": 1}))
 
             job = watch_job(client, job["id"], on_tick=chaos)
@@ -95,7 +114,8 @@ def run_demo(*, data_dir: Path | None, port: int, ray_port: int, dashboard_port:
         console.print(table)
         return 0 if job["state"] == "SUCCEEDED" else 1
     finally:
-        console.print("[bold]4.[/bold] stopping the API and Ray ...")
+        if server.poll() is None:
+            console.print("[bold]4.[/bold] stopping the API and Ray ...")
         server.send_signal(signal.SIGTERM)
         try:
             server.wait(timeout=60)

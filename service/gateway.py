@@ -3,7 +3,6 @@ state API for the cluster, and a Ray task to kill a worker process on its node."
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from typing import Any, AsyncIterator, Protocol
@@ -54,11 +53,18 @@ class RayGateway:
         self._driver()
 
     def _driver(self) -> None:
+        from workers import ray_token
+
+        ray_token.ensure()  # before ray's import, which reads RAY_AUTH_MODE once
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=self.settings.ray_address or "auto", namespace="etrain-service",
-                     log_to_driver=False, include_dashboard=False)
+            address = self.settings.ray_address or "auto"
+            try:
+                ray.init(address=address, namespace="etrain-service", log_to_driver=False, include_dashboard=False)
+            except Exception as e:  # a wrong address or token: one line, not Ray's traceback
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise GatewayError(f"cannot connect to Ray at {address}: {first}") from e
 
     def submit(self, *, submission_id: str, spec_path: str, job_id: str) -> None:
         # The very command a user would pass to `ray job submit`.
@@ -143,8 +149,21 @@ def _kill_task():
 
         @ray.remote(num_cpus=0)
         def kill(pid: int) -> bool:
+            import os
             import signal
 
+            # A pid is reused once its process ends: kill only a busy Ray worker (titled
+            # `ray::<actor or task>`), never what took the pid of one that ended. Where
+            # there is no /proc to ask (macOS) the pid is trusted. Inline, not a helper of
+            # this module: the cluster may have only `workers/` installed.
+            if os.path.isdir("/proc/self"):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        title = f.read()
+                except OSError:
+                    return False
+                if not title.startswith(b"ray::") or title.startswith(b"ray::IDLE"):
+                    return False
             try:
                 os.kill(pid, signal.SIGKILL)
                 return True
@@ -153,3 +172,4 @@ def _kill_task():
 
         _kill = kill
     return _kill
+

@@ -15,11 +15,16 @@ from service import ledger, rundir
 from service.gateway import Gateway, GatewayError
 from service.lifecycle import IllegalTransition, JobState
 from service.settings import Settings
+from workers import events
 from workers.spec import JobSpec, write_spec_json
 
 
 class NotRunning(ValueError):
     """The job has no live worker to act on."""
+
+
+class RunDirTaken(ValueError):
+    """The job_id names a run directory that holds another job's spec."""
 
 
 def request_hash(body: dict[str, Any]) -> str:
@@ -35,12 +40,42 @@ def spec_path(settings: Settings, job_id: str) -> str:
 
 
 def write_spec(settings: Settings, spec: JobSpec) -> str:
-    """spec.json is immutable: written once, before the first submission."""
-    return write_spec_json(spec.model_copy(update={"storage": settings.runs_dir}))
+    """spec.json is immutable: written once, before the first submission. One that is
+    there already must be this very spec, or the driver would run the other one."""
+    spec = spec.model_copy(update={"storage": settings.runs_dir})
+    path = write_spec_json(spec)
+    if _stored_spec(path) != spec.model_dump(mode="json"):
+        raise RunDirTaken(_taken(spec.job_id))
+    return path
+
+
+def _stored_spec(path: str) -> dict[str, Any] | None:
+    """The spec in a spec.json, or None when there is none; {} when it cannot be read."""
+    try:
+        with open(path) as f:
+            return JobSpec.model_validate_json(f.read()).model_dump(mode="json")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+
+
+def _taken(job_id: str) -> str:
+    return (f"job_id {job_id!r} names a run directory that already holds another job's spec; "
+            "choose another job_id")
 
 
 def create(sessions: sessionmaker[Session], settings: Settings, spec: JobSpec, *, body: dict[str, Any],
            idempotency_key: str | None) -> tuple[ledger.Job, bool]:
+    stored = _stored_spec(spec_path(settings, spec.job_id))
+    if stored is not None:
+        # Left by a run this ledger does not hold (`python -m workers.run` with the same
+        # storage, a lost ledger), or by the same job_id with another spec: answering 201
+        # would run that spec, not this one.
+        known = ledger.get_job(sessions, job_id=spec.job_id)
+        admitted = spec.model_copy(update={"storage": settings.runs_dir}).model_dump(mode="json")
+        if known is None or stored != admitted:
+            raise RunDirTaken(_taken(spec.job_id))
     # The first submission id is fixed at insert: one commit fewer on every POST.
     return ledger.create_job(sessions, job_id=spec.job_id, spec=spec.model_dump(mode="json"),
                              request_hash=request_hash(body), idempotency_key=idempotency_key,
@@ -50,9 +85,13 @@ def create(sessions: sessionmaker[Session], settings: Settings, spec: JobSpec, *
 def submit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, job: ledger.Job,
            *, resubmit: bool = False) -> ledger.Job:
     """Hand a job to Ray. The submission id is recorded before Ray is asked, and Ray
-    refuses a second job with the same id, so a crash at any point never starts two."""
+    refuses a second job with the same id, so a crash at any point never starts two.
+    A job whose run directory holds another spec fails here and never reaches Ray."""
     spec = JobSpec.model_validate(job.spec_dict)
-    path = write_spec(settings, spec)
+    try:
+        path = write_spec(settings, spec)
+    except RunDirTaken as e:
+        return ledger.update_job(sessions, job_id=job.id, state=JobState.FAILED, error=str(e))
     if resubmit or not job.submission_id:
         n = job.submissions + 1
         extra = {"resubmits": job.resubmits + 1, "resubmitted_at": time.time()} if resubmit else {}
@@ -91,22 +130,74 @@ def cancel(sessions: sessionmaker[Session], gateway: Gateway, job: ledger.Job) -
     return job
 
 
+FINISHING = "finishing"  # the workers are done; Ray has not ended the job yet
+PHASES = ("queued", rundir.STARTING, rundir.TRAINING, rundir.RECOVERING, FINISHING, rundir.FINISHED, rundir.FAILED,
+          "cancelled")
+
+
+def phase(job: ledger.Job, info: dict[str, Any]) -> str:
+    """What a job is doing: the run record's phase (rundir.phase), with the ledger's word
+    where the run record cannot know: queued, cancelled, ended, or driver resubmitted."""
+    state = JobState(job.state)
+    if state == JobState.QUEUED:
+        return "queued"
+    if state == JobState.CANCELLED:
+        return "cancelled"
+    if state == JobState.SUCCEEDED:
+        return rundir.FINISHED
+    if state == JobState.FAILED:
+        return rundir.FAILED
+    run_phase = info["phase"]
+    if run_phase == rundir.FINISHED:
+        return FINISHING
+    if run_phase == rundir.TRAINING and job.resubmitted_at and (info["last_step_at"] or 0) < job.resubmitted_at:
+        # The run record shows the lost driver's steps until the new driver writes.
+        return rundir.RECOVERING
+    return run_phase
+
+
 def inject_fault(settings: Settings, gateway: Gateway, job: ledger.Job, rank: int | None) -> dict[str, Any]:
-    """SIGKILL one worker of a running job, through Ray on the worker's node."""
-    if JobState(job.state) not in (JobState.RUNNING, JobState.RECOVERING):
-        raise NotRunning(f"job {job.id} is {job.state}; faults need a RUNNING job")
+    """SIGKILL one worker of a training job, through Ray on the worker's node: only a
+    process of the newest attempt, and only while it trains (never one that ended)."""
+    state = JobState(job.state)
+    if state in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+        raise NotRunning(f"job {job.id} has ended ({job.state}); it has no workers to kill")
     workers = job.spec_dict["workers"]
     if isinstance(workers, dict):  # elastic: the ranks that may exist; the lookup below finds the live ones
         workers = workers["max"]
-    if rank is None:
-        rank = random.randrange(workers)
-    if not 0 <= rank < workers:
+    if rank is not None and not 0 <= rank < workers:
         raise ValueError(f"rank {rank} does not exist: job {job.id} has ranks 0..{workers - 1}")
-    where = rundir.worker_pid(rundir.run_dir(settings.runs_dir, job.id), rank)
+    rd = rundir.run_dir(settings.runs_dir, job.id)
+    history = events.events(rd)
+    latest = rundir.latest_metrics(rd)
+    now = phase(job, {"phase": rundir.phase(history, latest), "last_step_at": rundir.last_step_at(history, latest)})
+    _check_training(job, now, history, latest)
+    if rank is None:
+        live = rundir.live_ranks(history)
+        rank = random.choice(live) if live else random.randrange(workers)
+    where = rundir.worker(history, rank)
     if where is None:
-        raise NotRunning(f"job {job.id} has no worker of rank {rank} running yet")
+        raise NotRunning(f"job {job.id} has no worker of rank {rank} in its current attempt "
+                         f"(ranks running: {', '.join(map(str, rundir.live_ranks(history))) or 'none'})")
     try:
         gateway.kill_process(pid=where["pid"], node_id=where.get("node_id"))
     except ProcessLookupError as e:
-        raise NotRunning(f"worker {rank} of job {job.id} is not running (restarting?)") from e
+        raise NotRunning(f"worker {rank} of job {job.id} has already exited; the job is recovering") from e
     return {"job_id": job.id, "rank": rank, "pid": where["pid"], "node_id": where.get("node_id")}
+
+
+def _check_training(job: ledger.Job, now: str, history: list[dict[str, Any]], latest: dict[str, Any] | None) -> None:
+    """409 with what is happening, unless the job is training."""
+    if now == rundir.TRAINING:
+        return
+    if now == "queued":
+        raise NotRunning(f"job {job.id} is queued: Ray has not taken it yet; try again once it is training")
+    if now == rundir.STARTING:
+        attempts = [e for e in rundir.current_run(history) if e["event"] == "attempt_started"]
+        if attempts and attempts[-1].get("attempt", 1) > 1:
+            raise NotRunning(f"job {job.id} is restarting its workers (attempt {attempts[-1]['attempt']}); "
+                             "try again once it is training")
+        raise NotRunning(f"job {job.id} is starting: its workers are not up yet; try again once it is training")
+    if now == rundir.RECOVERING:
+        raise NotRunning(f"job {job.id} is recovering from {rundir.recovery_note(history, latest)}")
+    raise NotRunning(f"job {job.id} is {now}: its workers have stopped training")

@@ -19,8 +19,9 @@ from service.settings import Settings
 
 log = logging.getLogger("etrain.reconciler")
 
-# Phases of the run directory to the state a live Ray job has.
-_LIVE = {"starting": None, "running": JobState.RUNNING, "recovering": JobState.RECOVERING}
+# Phases of a live Ray job to its state: RUNNING only once a worker of the newest
+# attempt has completed a step; while starting, the state stays as it is.
+_LIVE = {rundir.TRAINING: JobState.RUNNING, rundir.RECOVERING: JobState.RECOVERING}
 QUEUED_GRACE_S = 2.0  # leave a fresh job to the request that created it
 
 
@@ -49,28 +50,27 @@ class Reconciler:
         if self.metrics is not None:
             self.metrics.observe_job(job.id, info)
         update = {"restarts": info["restarts"]}
-        phase = info["phase"]
+        phase = jobs.phase(job, info)
+        finished = phase in (rundir.FINISHED, jobs.FINISHING)
 
         if job.cancel_requested:
             if status in ("PENDING", "RUNNING"):
                 self.gateway.stop(job.submission_id)
             else:
-                target = JobState.SUCCEEDED if phase == "finished" else JobState.CANCELLED
+                target = JobState.SUCCEEDED if finished else JobState.CANCELLED
                 self._set(job, target, **update)
             return
         if status in ("PENDING", "RUNNING"):
             target = _LIVE.get(phase)
-            if state == JobState.RECOVERING and job.resubmitted_at and (info["last_resumed_at"] or 0) < job.resubmitted_at:
-                target = None  # a resubmitted driver is recovering until its training resumes
             if target is not None and (target != state):
                 self._set(job, target, **update)
             elif job.restarts != info["restarts"]:
                 ledger.update_job(self.sessions, job_id=job.id, **update)
             return
         # The Ray job has ended (or Ray no longer knows it).
-        if phase == "finished":
+        if finished:
             self._set(job, JobState.SUCCEEDED, **update)
-        elif phase == "failed":
+        elif phase == rundir.FAILED:
             self._set(job, JobState.FAILED, error=(info.get("error") or {}).get("message"), **update)
         elif job.resubmits < self.settings.max_resubmits:
             # The driver died without a verdict: run it again; it resumes from its checkpoint.

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from workers import checkpoint, events
+from workers import checkpoint, events, failures
 
 _FAILURES = ("worker_failed", "fault_injected", "driver_lost")
 
@@ -55,20 +55,67 @@ def current_run(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return history[starts[-1]:] if starts else history
 
 
-def phase(rd: str, history: list[dict[str, Any]] | None = None) -> str:
-    """starting | running | recovering | finished | failed, from the events alone."""
-    history = events.events(rd) if history is None else history
+# What a job is doing, from its run record (JobPublic.progress.phase adds the ledger's view).
+STARTING, TRAINING, RECOVERING, FINISHED, FAILED = "starting", "training", "recovering", "finished", "failed"
+
+
+def last_step_at(history: list[dict[str, Any]], latest: dict[str, Any] | None) -> float | None:
+    """When a worker last completed a step: the newest metrics line, or a `resumed`."""
+    times = [e["time"] for e in history if e["event"] == "resumed"] + ([latest["time"]] if latest else [])
+    return max(times, default=None)
+
+
+def last_failure(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((e for e in reversed(history) if e["event"] in _FAILURES), None)
+
+
+def phase(history: list[dict[str, Any]], latest: dict[str, Any] | None) -> str:
+    """starting: no worker of the newest attempt has completed a step (Ray starting the
+    workers, loading data, building the model, loading a checkpoint); training; recovering:
+    a worker or the driver failed after the newest step; finished / failed: the current
+    driver's verdict."""
     run = current_run(history)
     kinds = {e["event"] for e in run}
     if "finished" in kinds:
-        return "finished"
+        return FINISHED
     if "failed" in kinds:
-        return "failed"
-    last_failure = max((e["time"] for e in history if e["event"] in _FAILURES), default=None)
-    last_resumed = max((e["time"] for e in history if e["event"] == "resumed"), default=None)
-    if last_failure is not None and (last_resumed is None or last_failure > last_resumed):
-        return "recovering"
-    return "running" if "attempt_started" in kinds else "starting"
+        return FAILED
+    stepped = last_step_at(history, latest)
+    failure = last_failure(history)
+    # >=: a lost driver is dated by its last sign of life, which may be its last step.
+    if failure is not None and (stepped is None or failure["time"] >= stepped):
+        return RECOVERING
+    attempts = [e for e in run if e["event"] == "attempt_started"]
+    if not attempts or stepped is None or stepped < attempts[-1]["time"]:
+        return STARTING
+    newest = attempts[-1].get("attempt")
+    resumed_since = any(e["event"] == "resumed" and e["time"] >= attempts[-1]["time"] for e in run)
+    if not resumed_since and latest and latest.get("attempt") not in (None, newest):
+        return STARTING  # the newest line is an older attempt's
+    return TRAINING
+
+
+def recovery_note(history: list[dict[str, Any]], latest: dict[str, Any] | None) -> str:
+    """What a recovering job is doing, for people: which failure, and any back-off."""
+    stepped = last_step_at(history, latest) or 0.0
+    culprit = failures.culprit([e for e in history if e["event"] in _FAILURES and e["time"] >= stepped]) \
+        or last_failure(history)
+    if culprit is None:
+        return "its workers are being restarted"
+    if culprit["event"] == "driver_lost":
+        what = "the loss of its driver; the driver is being started again"
+    else:
+        why = "hung" if culprit.get("hung") else culprit.get("kind") or culprit.get("error") or "failed"
+        what = f"a failure of rank {culprit.get('rank', '?')} ({_one_line(why)}); its workers are being restarted"
+    backoff = next((e for e in reversed(history) if e["event"] == "backoff" and e["time"] >= culprit["time"]), None)
+    if backoff is not None:
+        what += f", after a back-off of {backoff.get('delay_s', 0):g}s (repeated failures at one step)"
+    return what
+
+
+def _one_line(text: str, limit: int = 120) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def summary(rd: str) -> dict[str, Any]:
@@ -80,7 +127,8 @@ def summary(rd: str) -> dict[str, Any]:
     latest = latest_metrics(rd)
     committed = [e for e in history if e["event"] == "checkpoint_committed"]
     out: dict[str, Any] = {
-        "phase": phase(rd, history),
+        "phase": phase(history, latest),
+        "last_step_at": last_step_at(history, latest),
         "attempts": len(attempts),
         "restarts": max(0, len(attempts) - 1),
         "steps_recomputed": sum(r.get("lost_steps", 0) for r in resumed),
@@ -88,7 +136,10 @@ def summary(rd: str) -> dict[str, Any]:
         "last_resumed_at": resumed[-1]["time"] if resumed else None,
         "progress": {
             "step": (finished or {}).get("final_step") or (latest or {}).get("step", 0),
-            "total_steps": attempts[-1].get("total_steps") if attempts else None,
+            # training_started (once set-up is done) knows it; older run records had it in attempt_started.
+            "total_steps": next((e["total_steps"] for e in reversed(history)
+                                 if e["event"] in ("training_started", "attempt_started") and e.get("total_steps")),
+                                None),
             "epoch": (latest or {}).get("epoch"),
         },
         "latest_metrics": latest,
@@ -122,10 +173,17 @@ def checkpoints(rd: str) -> list[dict[str, Any]]:
     return out
 
 
-def worker_pid(rd: str, rank: int) -> dict[str, Any] | None:
-    """Where rank `rank` of the newest attempt runs (pid, node id)."""
-    started = events.events(rd, "worker_started")
+def worker(history: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:
+    """Where rank `rank` of the newest attempt of the current driver runs (pid, node id).
+    Never an older attempt's or driver's: that process has ended and its pid may be reused."""
+    started = [e for e in current_run(history) if e["event"] == "worker_started"]
     if not started:
         return None
-    attempt = max(e["attempt"] for e in started)
-    return next((e for e in reversed(started) if e["attempt"] == attempt and e["rank"] == rank), None)
+    attempt = max(e.get("attempt", 0) for e in started)
+    return next((e for e in reversed(started) if e.get("attempt", 0) == attempt and e["rank"] == rank), None)
+
+
+def live_ranks(history: list[dict[str, Any]]) -> list[int]:
+    started = [e for e in current_run(history) if e["event"] == "worker_started"]
+    attempt = max((e.get("attempt", 0) for e in started), default=None)
+    return sorted({e["rank"] for e in started if e.get("attempt", 0) == attempt})

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# What must never reach a job: Ray jobs inherit the head's environment, and the head
+# `etrain serve` starts inherits serve's.
+SECRET_ENV = ("ETRAIN_TOKEN", "DATABASE_URL", "ETRAIN_DATABASE_URL")
 
 
 def _default_data_dir() -> Path:
@@ -37,10 +43,22 @@ class Settings(BaseSettings):
     max_resubmits: int = Field(3, ge=0, le=100, description="Resubmissions of a job whose Ray driver died.")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
     python: str | None = Field(None, description="Interpreter for job entrypoints; this one when unset.")
-    dataset_roots: list[Path] = Field(
-        default_factory=list, description="Directories jobs may read dataset files from; <data_dir>/datasets always."
+    dataset_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="Directories jobs may read dataset files from, besides <data_dir>/datasets: a JSON list or "
+        "paths joined by ':' (`etrain serve --dataset-root DIR` adds one).",
     )
     allow_custom_models: bool = Field(False, description="Accept model.name=custom (runs code named by the request).")
+
+    @field_validator("dataset_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value):
+        if isinstance(value, str):
+            value = value.strip()
+            if value.startswith("["):
+                return json.loads(value)
+            return [p for p in value.split(os.pathsep) if p]
+        return value
 
     @property
     def runs_dir(self) -> str:

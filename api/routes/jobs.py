@@ -24,7 +24,8 @@ def to_public(job: ledger.Job, settings, gateway) -> JobPublic:
     info = rundir.summary(rundir.run_dir(settings.runs_dir, job.id))
     return JobPublic(
         id=job.id, state=job.state, attempts=info["attempts"], restarts=info["restarts"], resubmits=job.resubmits,
-        steps_recomputed=info["steps_recomputed"], progress=info["progress"], latest_metrics=info["latest_metrics"],
+        steps_recomputed=info["steps_recomputed"], recovery_s=info["recovery_s"],
+        progress={**info["progress"], "phase": jobs.phase(job, info)}, latest_metrics=info["latest_metrics"],
         latest_checkpoint=info["latest_checkpoint"], result=info["result"], submission_id=job.submission_id,
         dashboard_url=f"{gateway.dashboard_url}/#/jobs/{job.submission_id}" if job.submission_id else None,
         error=info.get("error") or ({"message": job.error} if job.error else None),
@@ -43,7 +44,7 @@ def _get(sessions, job_id: str) -> ledger.Job:
 def create_job(
     request: Request, response: Response, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
     spec: Annotated[JobSpec, Body(description="The job spec; `storage` is chosen by the service.")],
-    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
 ) -> JobPublic:
     """Submit a job. The same Idempotency-Key again returns the same job (200) and never
     starts a second Ray job."""
@@ -135,5 +136,6 @@ def inject_fault(
     job_id: str, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
     fault: Annotated[FaultCreate, Body()] = FaultCreate(),
 ) -> FaultPublic:
-    """Kill one worker of a running job now (by rank, or at random), to see recovery work."""
+    """Kill one worker of a training job now (by rank, or at random), to see recovery work.
+    409 says what the job is doing instead (starting, recovering, ended)."""
     return FaultPublic(**jobs.inject_fault(settings, gateway, _get(sessions, job_id), fault.rank))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -53,14 +54,19 @@ def start_api(cluster, data_dir: Path, port: int | None = None) -> Api:
     pytest.fail("the API did not become ready")
 
 
-def stop_api(api: Api) -> None:
-    if api.proc.poll() is None:
-        api.proc.send_signal(signal.SIGTERM)
+def terminate(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
         try:
-            api.proc.wait(timeout=30)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            api.proc.kill()
-            api.proc.wait()
+            proc.kill()
+            proc.wait()
+
+
+def stop_api(api: Api) -> None:
+    terminate(api.proc, 30)
 
 
 @pytest.fixture
@@ -110,3 +116,88 @@ def wait_for(client: httpx.Client, job_id: str, states: set[str], timeout: float
             return job
         time.sleep(0.15)
     pytest.fail(f"job {job_id} not in {states} after {timeout}s; states seen {seen}, last {job}")
+
+
+# ---------------------------------------------------------------- `etrain serve` with its own Ray head
+
+
+@dataclass
+class Serve:
+    """`etrain serve` in a subprocess, starting (and on SIGTERM stopping) its own Ray head."""
+
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    env: dict
+    head_pgid: int | None = None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def children(pid: int) -> list[int]:
+    """Every live descendant of `pid` (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def start_serve(args: list[str], env: dict, log: Path, timeout: float = 240) -> Serve:
+    """Start it and wait until /readyz says the ledger and Ray are up. Stop it with
+    stop_serve() in a finally, even when this fails."""
+    port = free_port()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--ray-port",
+                                 str(free_port()), "--dashboard-port", str(free_port()), *args],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    serve = Serve(f"http://127.0.0.1:{port}", proc, log, env)
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline:
+            if serve.head_pgid is None:
+                serve.head_pgid = next((p for p in children(proc.pid) if _is_ray_start(p)), None)
+            if proc.poll() is not None:
+                pytest.fail(f"`etrain serve` exited with code {proc.returncode}:\n{serve.output()[-3000:]}")
+            try:
+                if httpx.get(f"{serve.url}/readyz", timeout=5).status_code == 200:
+                    return serve
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"`etrain serve` was not ready after {timeout:.0f}s:\n{serve.output()[-3000:]}")
+    except BaseException:
+        stop_serve(serve)
+        raise
+
+
+def _is_ray_start(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(a.endswith(b"ray") for a in argv[:2]) and b"start" in argv and b"--head" in argv
+
+
+def stop_serve(serve: Serve) -> None:
+    """SIGTERM: serve stops its Ray head, then itself. Whatever is left of the head's
+    process group after that (serve killed hard) is ended here."""
+    terminate(serve.proc, 60)
+    if serve.head_pgid is not None:
+        try:
+            os.killpg(serve.head_pgid, 0)  # still there: serve could not stop it
+            os.killpg(serve.head_pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -334,29 +334,109 @@ def test_cancelling_a_job_that_was_never_handed_to_ray_ends_it_at_once(client, a
     assert r.status_code == 200 and r.json()["state"] == "CANCELLED"
 
 
-@pytest.mark.parametrize("states", [(), (JobState.RUNNING, JobState.SUCCEEDED), (JobState.CANCELLED,)])
-def test_fault_on_a_job_that_is_not_running_is_409(client, app, gateway, states):
+def training(rd: str, pids: dict[int, int], attempt: int = 1, *, new_driver: bool = False) -> None:
+    """The run record of an attempt whose workers are up and have completed a step."""
+    if new_driver or attempt == 1:
+        events.emit(rd, "job_started", pid=1)
+    events.emit(rd, "attempt_started", attempt=attempt, world_size=2, from_step=0)
+    for rank, pid in pids.items():
+        events.emit(rd, "worker_started", attempt=attempt, rank=rank, pid=pid, node_id="n1")
+    events.emit(rd, "training_started", attempt=attempt, world_size=2, total_steps=4, from_step=0)
+    if attempt > 1:
+        events.emit(rd, "resumed", attempt=attempt, from_step=0, lost_steps=1, recovery_s=1.0)
+    events.log_metrics(rd, step=1, epoch=0, loss=1.0, attempt=attempt)
+
+
+@pytest.mark.parametrize(("states", "says"), [
+    ((), "job idle is starting: its workers are not up yet; try again once it is training"),
+    ((JobState.RUNNING, JobState.SUCCEEDED), "job idle has ended (SUCCEEDED)"),
+    ((JobState.CANCELLED,), "job idle has ended (CANCELLED)"),
+], ids=["submitted", "succeeded", "cancelled"])
+def test_fault_on_a_job_that_is_not_training_is_409_saying_what_it_does(client, app, gateway, states, says):
     job = create(client, small("idle"))
     move(app, job["id"], *states)
     r = client.post("/v1/jobs/idle/faults", json={"rank": 0})
     assert_clean(r)
     assert r.status_code == 409, r.text
-    assert "RUNNING" in r.json()["detail"]
+    assert r.json()["detail"].startswith(says), r.json()
     assert gateway.killed == []
 
 
-def test_fault_on_a_running_job_kills_the_worker_of_that_rank(client, app, settings, gateway):
-    job = create(client, small("busy"))
-    move(app, job["id"], JobState.RUNNING)
-    r = client.post("/v1/jobs/busy/faults", json={"rank": 1})
-    assert r.status_code == 409 and "rank 1" in r.json()["detail"]  # no worker has started yet
-    rd = os.path.join(settings.runs_dir, "busy")
+def test_fault_while_the_workers_set_up_is_409_starting(client, app, settings, gateway):
+    # Workers exist (worker_started) but none has completed a step: not yet training.
+    job = create(client, small("setting-up"))
+    rd = os.path.join(settings.runs_dir, "setting-up")
+    events.emit(rd, "job_started", pid=1)
+    events.emit(rd, "attempt_started", attempt=1, world_size=2, from_step=0)
     for rank, pid in ((0, 1000), (1, 1001)):
         events.emit(rd, "worker_started", attempt=1, rank=rank, pid=pid, node_id="n1")
-    r = client.post("/v1/jobs/busy/faults", json={"rank": 1})
+    events.emit(rd, "training_started", attempt=1, world_size=2, total_steps=4, from_step=0)
+    progress = client.get("/v1/jobs/setting-up").json()["progress"]
+    assert progress["phase"] == "starting" and progress["total_steps"] == 4
+    r = client.post(f"/v1/jobs/{job['id']}/faults", json={"rank": 1})
+    assert r.status_code == 409 and "is starting: its workers are not up yet" in r.json()["detail"]
+    assert gateway.killed == []
+
+
+def test_fault_while_recovering_is_409_naming_the_failure(client, app, settings, gateway):
+    job = create(client, small("mending"))
+    rd = os.path.join(settings.runs_dir, "mending")
+    training(rd, {0: 1000, 1: 1001})
+    events.emit(rd, "worker_failed", rank=0, classification="infrastructure", error="gloo: connection closed")
+    events.emit(rd, "worker_failed", rank=1, classification="infrastructure", error="worker process died",
+                process_died=True)
+    assert client.get("/v1/jobs/mending").json()["progress"]["phase"] == "recovering"
+    r = client.post(f"/v1/jobs/{job['id']}/faults", json={"rank": 0})
+    assert r.status_code == 409, r.text
+    assert r.json()["detail"] == ("job mending is recovering from a failure of rank 1 (worker process died); "
+                                  "its workers are being restarted")
+    events.emit(rd, "backoff", attempt=2, delay_s=8, reason="the previous attempts failed at the same step")
+    detail = client.post(f"/v1/jobs/{job['id']}/faults", json={"rank": 0}).json()["detail"]
+    assert detail.endswith("after a back-off of 8s (repeated failures at one step)"), detail
+    assert gateway.killed == []
+
+
+def test_fault_on_a_training_job_kills_the_worker_of_that_rank(client, app, settings, gateway):
+    job = create(client, small("busy"))
+    rd = os.path.join(settings.runs_dir, "busy")
+    training(rd, {0: 1000, 1: 1001})
+    public = client.get("/v1/jobs/busy").json()
+    assert public["progress"]["phase"] == "training" and public["state"] == "SUBMITTED"  # the reconciler is off
+    r = client.post(f"/v1/jobs/{job['id']}/faults", json={"rank": 1})
     assert r.status_code == 202, r.text
     assert r.json() == {"job_id": "busy", "rank": 1, "pid": 1001, "node_id": "n1"}
     assert gateway.killed == [(1001, "n1")]
+    r = client.post(f"/v1/jobs/{job['id']}/faults", json={})  # a random rank: one that runs
+    assert r.status_code == 202 and r.json()["pid"] in (1000, 1001)
+
+
+def test_fault_never_kills_a_pid_of_an_earlier_attempt_or_driver(client, app, settings, gateway):
+    # Those processes have ended and their pids may belong to anything now.
+    job = create(client, small("again", workers=2))
+    rd = os.path.join(settings.runs_dir, "again")
+    training(rd, {0: 1000, 1: 1001})
+    events.emit(rd, "worker_failed", rank=1, classification="infrastructure", process_died=True)
+    training(rd, {0: 2000}, attempt=2)  # rank 1 of attempt 2 has not written where it runs yet
+    r = client.post(f"/v1/jobs/{job['id']}/faults", json={"rank": 1})
+    assert r.status_code == 409 and "no worker of rank 1 in its current attempt" in r.json()["detail"], r.text
+    events.emit(rd, "driver_lost", error="driver process lost")
+    training(rd, {1: 3001}, attempt=3, new_driver=True)
+    r = client.post(f"/v1/jobs/{job['id']}/faults", json={"rank": 0})
+    assert r.status_code == 409 and "no worker of rank 0" in r.json()["detail"], r.text
+    assert client.post(f"/v1/jobs/{job['id']}/faults", json={"rank": 1}).json()["pid"] == 3001
+    assert gateway.killed == [(3001, "n1")]
+
+
+def test_fault_on_a_worker_that_already_exited_is_409(settings):
+    class Gone(FakeGateway):
+        def kill_process(self, *, pid, node_id):
+            raise ProcessLookupError(pid)
+
+    with TestClient(create_app(settings, Gone(), reconcile=False), headers=AUTH) as client:
+        create(client, small("gone"))
+        training(os.path.join(settings.runs_dir, "gone"), {0: 1000, 1: 1001})
+        r = client.post("/v1/jobs/gone/faults", json={"rank": 1})
+        assert r.status_code == 409 and "already exited" in r.json()["detail"]
 
 
 # ---------------------------------------------------------------- 413
@@ -528,7 +608,7 @@ def test_job_views_read_the_run_directory(client, settings):
     events.emit(rd, "checkpoint_committed", step=2)
 
     job = client.get("/v1/jobs/seen").json()
-    assert job["attempts"] == 1 and job["progress"] == {"step": 3, "total_steps": 4, "epoch": 0}
+    assert job["attempts"] == 1 and job["progress"] == {"phase": "training", "step": 3, "total_steps": 4, "epoch": 0}
     assert job["latest_checkpoint"]["step"] == 2
     metrics = client.get("/v1/jobs/seen/metrics?since_step=1").json()
     assert metrics["count"] == 2 and [m["step"] for m in metrics["data"]] == [2, 3]
@@ -613,3 +693,114 @@ def test_huge_offset_is_422_not_500(client):
     # Found by the schemathesis run: SQLite cannot bind an offset past 2**63 - 1.
     r = client.get("/v1/jobs", params={"limit": 1, "offset": 2**63})
     assert r.status_code == 422 and "offset" in r.json()["message"]
+
+
+# ---------------------------------------------------------------- the token before the body
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-token"}], ids=["missing", "wrong"])
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"model": "gpt5"}', b"x" * (MAX_BODY + 10)],
+                         ids=["malformed", "not-an-object", "invalid-spec", "over-the-limit"])
+def test_without_the_token_any_body_is_401_never_422_or_413(app, settings, gateway, headers, body):
+    # The token is checked before the body is read: a stranger learns nothing from it.
+    with TestClient(app) as client:
+        r = client.post("/v1/jobs", content=body, headers={"Content-Type": "application/json", **headers})
+        assert r.status_code == 401, r.text
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert r.json() == {"detail": "missing or wrong bearer token"}
+    assert job_count(app) == 0 and run_dirs(settings) == [] and gateway.submitted == {}
+
+
+def test_without_the_token_a_streamed_body_over_the_limit_is_401(app):
+    def chunks():
+        for _ in range(MAX_BODY // 256 + 2):
+            yield b"x" * 256
+
+    with TestClient(app) as client:
+        r = client.post("/v1/jobs", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 401, r.text
+
+
+def test_with_the_token_the_same_bodies_get_their_own_answers(client):
+    assert client.post("/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"}).status_code \
+        == 422
+    assert client.post("/v1/jobs", content=b"x" * (MAX_BODY + 10),
+                       headers={"Content-Type": "application/json"}).status_code == 413
+
+
+def test_the_openapi_document_still_names_the_bearer_scheme(app):
+    doc = app.openapi()
+    assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert doc["paths"]["/v1/jobs"]["post"]["security"] == [{"HTTPBearer": []}]
+
+
+# ---------------------------------------------------------------- Idempotency-Key, run directories
+
+
+def test_empty_idempotency_key_is_422(client, app, settings, gateway):
+    r = client.post("/v1/jobs", json=small("keyless"), headers={"Idempotency-Key": ""})
+    assert_clean(r)
+    assert r.status_code == 422, r.text
+    assert "idempotency-key" in r.json()["message"].lower()
+    assert job_count(app) == 0 and run_dirs(settings) == [] and gateway.submitted == {}
+
+
+def _foreign_run_dir(settings, job_id: str, **over) -> str:
+    """A run directory the ledger does not know: `python -m workers.run` with the service's storage."""
+    from workers.spec import JobSpec, write_spec_json
+
+    spec = JobSpec.model_validate({**small(job_id, **over), "storage": settings.runs_dir})
+    return write_spec_json(spec)
+
+
+@pytest.mark.parametrize("same_spec", [False, True], ids=["other-spec", "same-spec"])
+def test_a_job_id_naming_a_run_directory_the_ledger_does_not_hold_is_409(client, app, settings, gateway, same_spec):
+    path = _foreign_run_dir(settings, "taken", **({} if same_spec else {"model": "mlp"}))
+    before = open(path).read()
+    r = client.post("/v1/jobs", json=small("taken"))
+    assert_clean(r)
+    assert r.status_code == 409, r.text
+    assert "'taken'" in r.json()["detail"] and "another job's spec" in r.json()["detail"]
+    assert settings.runs_dir not in r.text  # no server paths in answers
+    assert job_count(app) == 0 and gateway.submitted == {}
+    assert open(path).read() == before and os.listdir(os.path.dirname(path)) == ["spec.json"]
+
+
+def test_a_job_whose_spec_json_was_replaced_never_runs_the_other_spec(settings):
+    from service import jobs
+
+    app = create_app(settings, DownGateway(), reconcile=False)
+    with TestClient(app, headers=AUTH) as client:
+        assert create(client, small("swapped"))["state"] == "QUEUED"  # Ray down; spec.json written
+    # Before the reconciler hands it to Ray, its run directory gets another spec.
+    os.remove(os.path.join(settings.runs_dir, "swapped", "spec.json"))
+    _foreign_run_dir(settings, "swapped", model="mlp")
+    gateway = FakeGateway()
+    job = jobs.submit(app.state.ledger, settings, gateway, ledger.get_job(app.state.ledger, job_id="swapped"))
+    assert job.state == "FAILED" and "another job's spec" in job.error
+    assert gateway.submitted == {}
+
+
+# ---------------------------------------------------------------- dataset roots
+
+
+def test_a_fallback_spec_whose_files_are_missing_inside_an_allowed_root_is_accepted(client, settings):
+    inside = settings.data_dir / "datasets" / "mnist"  # does not exist
+    dataset = {"name": "idx", "images": str(inside / "i.gz"), "labels": str(inside / "l.gz"),
+               "fallback_to_synthetic": True}
+    assert create(client, small(dataset=dataset))["spec"]["dataset"]["images"] == str(inside / "i.gz")
+
+
+def test_a_path_outside_the_roots_is_refused_naming_the_flag_that_allows_it(client):
+    r = client.post("/v1/jobs", json=small(dataset={"name": "idx", "images": "/srv/data/i.gz",
+                                                    "labels": "/srv/data/l.gz", "fallback_to_synthetic": True}))
+    assert r.status_code == 422
+    assert "etrain serve --dataset-root DIR" in r.json()["message"] and "ETRAIN_DATASET_ROOTS" in r.json()["message"]
+
+
+@pytest.mark.parametrize("value", ['["/data/a", "/data/b"]', "/data/a:/data/b"], ids=["json", "path-list"])
+def test_dataset_roots_from_the_environment(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("ETRAIN_DATASET_ROOTS", value)
+    settings = Settings(data_dir=tmp_path)
+    assert [str(p) for p in settings.dataset_roots] == ["/data/a", "/data/b"]
+    assert settings.allowed_data_roots[1:] == ["/data/a", "/data/b"]

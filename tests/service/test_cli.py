@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from importlib.metadata import version
 
 import pytest
+import typer
 import uvicorn
 from typer.testing import CliRunner
 
@@ -22,23 +25,45 @@ from workers import events
 TOKEN = "cli-token"
 
 
+class Server:
+    """A real uvicorn server on a port, in a thread; stop() and start again on the same port."""
+
+    def __init__(self, application, port: int):
+        self.app, self.port = application, port
+        self.srv = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.srv.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.srv.started:
+            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.srv.should_exit = True
+        self.thread.join(10)
+
+
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     gateway = FakeGateway()
     application = create_app(Settings(data_dir=tmp_path, token=TOKEN), gateway, reconcile=False)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    monkeypatch.setenv("ETRAIN_URL", f"http://127.0.0.1:{port}")
+    running = Server(application, free_port())
+    monkeypatch.setenv("ETRAIN_URL", f"http://127.0.0.1:{running.port}")
     monkeypatch.setenv("ETRAIN_TOKEN", TOKEN)
     try:
         yield application, gateway, tmp_path
     finally:
-        srv.should_exit = True
-        thread.join(10)
+        running.stop()
+
+
+def training(rd: str, pids: dict[int, int]) -> None:
+    """The run record of a job whose workers are up and have completed a step."""
+    events.emit(rd, "job_started", pid=1)
+    events.emit(rd, "attempt_started", attempt=1, world_size=len(pids), from_step=0)
+    for rank, pid in pids.items():
+        events.emit(rd, "worker_started", attempt=1, rank=rank, pid=pid, node_id="n1")
+    events.emit(rd, "training_started", attempt=1, world_size=len(pids), total_steps=40, from_step=0)
+    events.log_metrics(rd, step=12, epoch=0, loss=0.75, attempt=1)
 
 
 def test_submit_list_status_logs_fault_cancel(server, tmp_path):
@@ -54,14 +79,20 @@ def test_submit_list_status_logs_fault_cancel(server, tmp_path):
     listed = run(cli, ["list"])
     assert listed.exit_code == 0 and "cli-job" in listed.output and "1 job(s)" in listed.output
     status = run(cli, ["status", "cli-job"])
-    assert status.exit_code == 0 and '"state": "SUBMITTED"' in status.output
+    assert status.exit_code == 0 and "SUBMITTED (starting)" in status.output, status.output
+    as_json = run(cli, ["status", "cli-job", "--output", "json"])
+    assert as_json.exit_code == 0 and json.loads(as_json.output)["state"] == "SUBMITTED"
+    assert json.loads(run(cli, ["list", "-o", "json"]).output)["count"] == 1
     logs = run(cli, ["logs", "cli-job"])
     assert logs.exit_code == 0 and "logs of etrain-cli-job-1" in logs.output
 
-    # A running job: the worker of rank 1 is where the run directory says it is.
+    early = run(cli, ["fault", "cli-job", "--rank", "1"])  # no worker up yet
+    assert early.exit_code == 1 and "is starting: its workers are not up yet" in early.output
+
+    # A training job: the worker of rank 1 is where the run directory says it is.
     sessions = application.state.ledger
     ledger.update_job(sessions, job_id="cli-job", state=JobState.RUNNING)
-    events.emit(str(data_dir / "runs" / "cli-job"), "worker_started", attempt=1, rank=1, pid=4242, node_id="n1")
+    training(str(data_dir / "runs" / "cli-job"), {0: 4241, 1: 4242})
     fault = run(cli, ["fault", "cli-job", "--rank", "1"])
     assert fault.exit_code == 0, fault.output
     assert gateway.killed == [(4242, "n1")]
@@ -71,15 +102,120 @@ def test_submit_list_status_logs_fault_cancel(server, tmp_path):
     assert gateway.stopped == ["etrain-cli-job-1"]
 
 
-def test_errors_are_one_clear_line(server, tmp_path):
+def test_status_is_a_short_summary(server):
+    _, _, data_dir = server
+    spec = data_dir / "job.yaml"
+    spec.write_text("job_id: short\nmodel: simple_cnn\n")
     run = CliRunner().invoke
-    missing = run(cli, ["status", "nope"])
-    assert missing.exit_code == 1 and "404" in missing.output and "no job 'nope'" in missing.output
+    assert run(cli, ["submit", str(spec)]).exit_code == 0
+    rd = str(data_dir / "runs" / "short")
+    training(rd, {0: 11})
+    events.emit(rd, "worker_failed", rank=0, classification="infrastructure", process_died=True)
+    events.emit(rd, "resumed", failed_rank=0, cause="crash", from_step=10, lost_steps=2, recovery_s=3.25)
+    events.emit(rd, "failed", error="ValueError: bad shape")
+    out = run(cli, ["status", "short"]).output
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert "job short SUBMITTED (failed)" in lines, out
+    assert "step 12 of 40 (epoch 0)" in lines and "loss 0.7500" in lines, out
+    assert "restarts 0 steps recomputed 2 recoveries 3.2s" in lines, out
+    assert "error ValueError: bad shape" in lines, out
+    assert len(lines) <= 8 and "{" not in out
+
+
+def error_line(result) -> str:
+    """The one line a failed command prints: `error: ...`, no traceback."""
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def test_errors_are_one_clear_line(server, tmp_path, monkeypatch):
+    run = CliRunner().invoke
+    assert "404: no job 'nope'" in error_line(run(cli, ["status", "nope"]))
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: transformer-xxl\n")
-    rejected = run(cli, ["submit", str(bad)])
-    assert rejected.exit_code == 1 and "422" in rejected.output and "model.name" in rejected.output
-    assert "Traceback" not in rejected.output
+    rejected = error_line(run(cli, ["submit", str(bad)]))
+    assert "422" in rejected and "model.name" in rejected
+
+    bad.write_text("model: [simple_cnn\nworkers: 2\n")
+    assert "not valid YAML" in error_line(run(cli, ["submit", str(bad)]))
+    assert "line 2" in error_line(run(cli, ["submit", str(bad)]))
+    assert "cannot read the spec" in error_line(run(cli, ["submit", str(tmp_path / "missing.yaml")]))
+    bad.write_text("- model\n")
+    assert "a spec is a mapping" in error_line(run(cli, ["submit", str(bad)]))
+
+    for url in ("localhost:8000", "http://", "ftp://127.0.0.1", "http://[oops"):
+        assert "invalid API URL" in error_line(run(cli, ["list", "--url", url])), url
+    down = f"http://127.0.0.1:{free_port()}"
+    assert "cannot reach the API" in error_line(run(cli, ["status", "x", "--url", down]))
+    assert "cannot reach the API" in error_line(run(cli, ["logs", "x", "-f", "--url", down]))
+    monkeypatch.setenv("ETRAIN_TOKEN", "wrong")
+    assert "401" in error_line(run(cli, ["list"]))
+    monkeypatch.delenv("ETRAIN_TOKEN")
+    assert "no API token" in error_line(run(cli, ["list", "--data-dir", str(tmp_path / "elsewhere")]))
+
+
+def test_version():
+    result = CliRunner().invoke(cli, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"etrain {version('elastic-train')}"
+
+
+def test_submit_watch_keeps_watching_across_an_api_restart(tmp_path, monkeypatch):
+    """The API goes away mid-watch (stopped, then started again on the same port, same
+    ledger): the watch says so, keeps retrying quietly, and follows the job to its end."""
+    import io
+
+    from rich.console import Console
+
+    import service.cli as cli_module
+
+    settings = Settings(data_dir=tmp_path, token=TOKEN)
+    first = Server(create_app(settings, FakeGateway(), reconcile=False), free_port())
+    servers = [first]
+    monkeypatch.setenv("ETRAIN_URL", f"http://127.0.0.1:{first.port}")
+    monkeypatch.setenv("ETRAIN_TOKEN", TOKEN)
+    screen = io.StringIO()  # a terminal, so every refresh of the live table is kept
+    monkeypatch.setattr(cli_module, "console", Console(file=screen, force_terminal=True, width=200))
+    spec = tmp_path / "job.yaml"
+    spec.write_text("job_id: survivor\nmodel: simple_cnn\n")
+
+    def restart_api_mid_watch() -> None:
+        sessions = first.app.state.ledger
+        while ledger.get_job(sessions, job_id="survivor") is None:
+            time.sleep(0.05)
+        time.sleep(1.5)  # a poll or two against the first server
+        first.stop()
+        time.sleep(3)  # refused polls
+        second = Server(create_app(settings, FakeGateway(), reconcile=False), first.port)
+        servers.append(second)
+        rd = str(tmp_path / "runs" / "survivor")
+        training(rd, {0: 7})
+        events.emit(rd, "finished", attempt=1, final_step=40, loss=0.5)
+        ledger.update_job(second.app.state.ledger, job_id="survivor", state=JobState.SUCCEEDED)
+
+    chaos = threading.Thread(target=restart_api_mid_watch, daemon=True)
+    chaos.start()
+    try:
+        result = CliRunner().invoke(cli, ["submit", str(spec), "--watch"])
+    finally:
+        chaos.join(30)
+        for s in servers:
+            s.stop()
+    seen = screen.getvalue()
+    assert result.exit_code == 0, (result.output, seen[-2000:])
+    assert "API unreachable, retrying..." in seen
+    assert "API was unreachable for" in seen and "reconnected" in seen
+    assert "SUCCEEDED" in seen and "Traceback" not in seen + result.output
+
+
+def test_watch_ends_with_an_error_line_when_the_job_is_unknown(server):
+    import service.cli as cli_module
+
+    with cli_module._client(os.environ["ETRAIN_URL"]) as client, pytest.raises(typer.Exit):
+        cli_module.watch_job(client, "no-such-job")
 
 
 def test_watch_shows_a_recovery_whose_cause_has_brackets(server, tmp_path, monkeypatch):
@@ -90,7 +226,7 @@ def test_watch_shows_a_recovery_whose_cause_has_brackets(server, tmp_path, monke
 
     import service.cli as cli_module
 
-    application, gateway, data_dir = server
+    application, _, data_dir = server
     spec = tmp_path / "job.yaml"
     spec.write_text("job_id: w1\nmodel: simple_cnn\n")
     assert CliRunner().invoke(cli, ["submit", str(spec)]).exit_code == 0

@@ -1,4 +1,5 @@
-"""`etrain demo` end to end: embedded Ray head + API, a job, a worker killed, a recovery."""
+"""`etrain demo` end to end: embedded Ray head + API, a job, a worker killed, a recovery,
+and the API token in no file but its own."""
 
 import socket
 import subprocess
@@ -29,3 +30,11 @@ def test_demo_runs_end_to_end(tmp_path):
     assert restarts.split("│")[2].strip() == "1", restarts
     # The stack it started is gone: API, GCS and dashboard ports closed.
     assert not any(listening(p) for p in ports.values()), ports
+    # The API token is in its file and nowhere else in the data directory: not in
+    # serve.log (serve's output), the Ray logs, the run directories or the ledger.
+    token = (tmp_path / "token").read_text().strip()
+    assert len(token) >= 32
+    holders = [str(path) for path in tmp_path.rglob("*")
+               if path.is_file() and path.name != "token" and token.encode() in path.read_bytes()]
+    assert holders == [], f"the API token was written to {holders}"
+    assert "serve.log" in {p.name for p in tmp_path.iterdir()}  # the log it would have leaked into

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from service import ledger, reconciler
+from service import ledger, reconciler, rundir
 from service.gateway import GatewayError
 from service.settings import Settings
 from tests.fakes import FakeGateway
@@ -81,16 +81,29 @@ def set_ray(gateway, job_id: str, status: str) -> None:
     gateway.statuses[newest] = status
 
 
-def test_submitted_job_becomes_running_once_an_attempt_starts(client, app, settings, gateway):
+def step(run: str, n: int = 1, attempt: int = 1, **fields) -> None:
+    """A metrics line: a worker of `attempt` completed step `n`."""
+    events.log_metrics(run, step=n, epoch=0, loss=1.0, attempt=attempt, **fields)
+
+
+def test_submitted_job_becomes_running_once_a_worker_completes_a_step(client, app, settings, gateway):
     submit(client, "a")
     run = rd(settings, "a")
     set_ray(gateway, "a", "RUNNING")
     tick(app)
     assert job(app, "a").state == "SUBMITTED"  # Ray runs the driver, no worker trains yet
     events.emit(run, "job_started", pid=1)
+    events.emit(run, "worker_started", attempt=1, rank=0, pid=10, node_id="n1")
     events.emit(run, "attempt_started", attempt=1, world_size=2, total_steps=20)
     tick(app)
+    # Workers up, data and model loaded: still not training, so not RUNNING (a fault
+    # request now would find nothing to act on).
+    assert job(app, "a").state == "SUBMITTED"
+    assert client.get("/v1/jobs/a").json()["progress"]["phase"] == "starting"
+    step(run)
+    tick(app)
     assert job(app, "a").state == "RUNNING"
+    assert client.get("/v1/jobs/a").json()["progress"]["phase"] == "training"
     tick(app)  # stable
     assert job(app, "a").state == "RUNNING"
     assert client.get("/v1/jobs/a").json()["state"] == "RUNNING"
@@ -102,6 +115,7 @@ def test_worker_failure_means_recovering_until_resumed(client, app, settings, ga
     set_ray(gateway, "b", "RUNNING")
     t0 = time.time()
     events.emit(run, "attempt_started", attempt=1, total_steps=20, time=t0)
+    step(run, time=t0 + 0.5)
     tick(app)
     assert job(app, "b").state == "RUNNING"
 
@@ -172,6 +186,7 @@ def test_lost_driver_is_resubmitted_and_recovers(client, app, settings, gateway,
     events.emit(run, "job_started", pid=1)
     if was == "RUNNING":
         events.emit(run, "attempt_started", attempt=1, total_steps=20)
+        step(run)
         set_ray(gateway, "e", "RUNNING")
         tick(app)
     assert job(app, "e").state == was
@@ -224,6 +239,7 @@ def test_cancel_requested_and_ray_stopped_is_cancelled(client, app, settings, ga
     submit(client, "g")
     run = rd(settings, "g")
     events.emit(run, "attempt_started", attempt=1, total_steps=20)
+    step(run)
     set_ray(gateway, "g", "RUNNING")
     tick(app)
     assert client.post("/v1/jobs/g/cancel").status_code == 200
@@ -298,6 +314,7 @@ def test_one_failing_job_does_not_stop_the_others(client, app, settings, gateway
     submit(client, "t2")
     for name in ("t1", "t2"):
         events.emit(rd(settings, name), "attempt_started", attempt=1, total_steps=20)
+        step(rd(settings, name))
         set_ray(gateway, name, "RUNNING")
     gateway.broken_status.add("etrain-t1-1")
     tick(app)
@@ -319,3 +336,76 @@ def test_job_cancelled_while_queued_that_ray_took_after_all_is_stopped(client, a
     tick(app)
     assert job(app, "u").state == "CANCELLED"
     assert list(gateway.submitted) == ["etrain-u-1"]
+
+
+def test_a_restart_without_a_failure_keeps_the_job_running(client, app, settings, gateway):
+    # An elastic job grown by Ray restarts its workers: starting again, but it was and
+    # stays RUNNING (no state goes back to SUBMITTED).
+    submit(client, "grow")
+    run = rd(settings, "grow")
+    set_ray(gateway, "grow", "RUNNING")
+    events.emit(run, "job_started", pid=1)
+    events.emit(run, "attempt_started", attempt=1, world_size=1, total_steps=20)
+    step(run)
+    tick(app)
+    assert job(app, "grow").state == "RUNNING"
+    events.emit(run, "attempt_started", attempt=2, world_size=2, total_steps=20)
+    tick(app)
+    assert job(app, "grow").state == "RUNNING"
+    assert client.get("/v1/jobs/grow").json()["progress"]["phase"] == "starting"
+    r = client.post("/v1/jobs/grow/faults", json={"rank": 0})
+    assert r.status_code == 409 and "restarting its workers (attempt 2)" in r.json()["detail"], r.text
+
+
+# ---------------------------------------------------------------- the phase, as a table
+
+T = 1000.0
+
+
+def ev(kind: str, t: float, **fields) -> dict:
+    return {"event": kind, "time": T + t, **fields}
+
+
+def metric(t: float, attempt: int | None = 1) -> dict:
+    return {"step": 1, "time": T + t, **({"attempt": attempt} if attempt is not None else {})}
+
+
+UP = [ev("job_started", 0), ev("worker_started", 1, attempt=1, rank=0, pid=9), ev("attempt_started", 2, attempt=1)]
+PHASES = [
+    # (events, newest metrics line, phase)
+    ([], None, "starting"),
+    (UP[:1], None, "starting"),
+    (UP, None, "starting"),
+    (UP, metric(3), "training"),
+    (UP, metric(3, attempt=None), "training"),  # lines written before metrics carried `attempt`
+    (UP + [ev("worker_failed", 4, rank=1)], metric(3), "recovering"),
+    (UP + [ev("worker_failed", 2.5, rank=1)], None, "recovering"),  # before the first step
+    (UP + [ev("worker_failed", 4, rank=1), ev("attempt_started", 5, attempt=2)], metric(3), "recovering"),
+    (UP + [ev("worker_failed", 4, rank=1), ev("attempt_started", 5, attempt=2), ev("resumed", 6)], metric(3),
+     "training"),
+    (UP + [ev("worker_failed", 4, rank=1), ev("attempt_started", 5, attempt=2)], metric(6, attempt=2), "training"),
+    (UP + [ev("attempt_started", 5, attempt=2)], metric(3), "starting"),  # restarted without a failure
+    (UP + [ev("attempt_started", 5, attempt=2)], metric(6, attempt=1), "starting"),  # a late line of attempt 1
+    # A lost driver is dated by its last sign of life: its last step.
+    (UP + [ev("driver_lost", 3)], metric(3), "recovering"),
+    (UP + [ev("driver_lost", 3), ev("job_started", 10), ev("attempt_started", 12, attempt=2)], metric(3),
+     "recovering"),
+    (UP + [ev("driver_lost", 3), ev("job_started", 10), ev("attempt_started", 12, attempt=2), ev("resumed", 13)],
+     metric(13, attempt=2), "training"),
+    (UP + [ev("finished", 9)], metric(8), "finished"),
+    (UP + [ev("failed", 9)], metric(8), "failed"),
+    (UP + [ev("failed", 9), ev("job_started", 10)], metric(8), "starting"),  # a new driver: the old verdict is past
+]
+
+
+@pytest.mark.parametrize(("history", "latest", "expected"), PHASES, ids=[f"{i}-{p[2]}" for i, p in enumerate(PHASES)])
+def test_phase_from_the_run_record(history, latest, expected):
+    assert rundir.phase(history, latest) == expected
+
+
+def test_phase_during_a_back_off_is_recovering_and_says_so():
+    history = UP + [ev("worker_failed", 4, rank=1, hung=True, error="hung: no progress"),
+                    ev("backoff", 4.5, attempt=2, delay_s=8), ev("attempt_started", 5, attempt=2)]
+    assert rundir.phase(history, metric(3)) == "recovering"
+    assert rundir.recovery_note(history, metric(3)) == ("a failure of rank 1 (hung); its workers are being restarted, "
+                                                        "after a back-off of 8s (repeated failures at one step)")

@@ -49,7 +49,7 @@ def test_fault_through_api_recovers(api):
         c.post("/v1/jobs", json=small_job("api-fault", steps=400, size=4096)).raise_for_status()
         seen: list[str] = []
         wait_for(c, "api-fault", {"FAILED", "SUCCEEDED"}, seen=seen,
-                 until=lambda j: j["state"] == "RUNNING" and j["progress"]["step"] >= 15)
+                 until=lambda j: j["progress"]["phase"] == "training" and j["progress"]["step"] >= 15)
         r = c.post("/v1/jobs/api-fault/faults", json={"rank": 1})
         assert r.status_code == 202, r.text
         job = wait_for(c, "api-fault", {"SUCCEEDED", "FAILED"}, seen=seen)
