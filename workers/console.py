@@ -29,6 +29,17 @@ class Tail:
     def __init__(self, path: str):
         self.path, self.offset = path, 0
 
+    def skip_to_end(self) -> None:
+        """Start after what the file holds now (its last line, if torn, is skipped too)."""
+        try:
+            with open(self.path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - 65536))  # a record is far shorter than this
+                tail = f.read()
+        except FileNotFoundError:
+            return
+        self.offset = size - len(tail) + tail.rfind(b"\n") + 1
+
     def read(self) -> list[dict[str, Any]]:
         try:
             with open(self.path, "rb") as f:
@@ -66,9 +77,9 @@ class Reporter:
         self.failures: list[dict[str, Any]] = []  # failure events of the attempt that is failing
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
-        # Events written before this driver started belong to an earlier run of the job.
-        self.events.read()
-        self.metrics.read()
+        # Records written before this driver started belong to an earlier run of the job.
+        self.events.skip_to_end()
+        self.metrics.skip_to_end()
 
     def say(self, text: str) -> None:
         self.out.write(f"[train] {text}\n")

@@ -154,10 +154,11 @@ def _ray_init(spec: JobSpec, verbose: bool) -> None:
     # processes inherit this; `etrain serve` sets it for its own head).
     os.environ.setdefault(POLL_ENV, POLL_S)
     # Ray Train's placement-group cleaner asks the State API (the dashboard) whether the
-    # controller lives. Without a dashboard each query times out, and the run waits ~12 s
-    # for the cleaner after its last step; with one it finds "the latest cluster" on the
-    # machine, which is another job's when two run at once. So: a dashboard of our own,
-    # on a port of our own, named to every process of this cluster (they inherit it).
+    # controller lives. Without a dashboard each query times out (a warning every few
+    # seconds, and the run waits on it at the end); with one, it asks "the latest
+    # cluster" on the machine, which is another job's when two run at once. So: a
+    # dashboard of our own, on a port of our own, named to every process of this
+    # cluster (they inherit it).
     port = _free_port()
     os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"
     # address="local": a new cluster even where `ray start` left one recorded in /tmp/ray.
@@ -187,8 +188,9 @@ def run(spec: JobSpec, verbose: bool = False) -> dict[str, Any]:
           f"run directory {run_dir}", flush=True)
     if spec.elastic:
         os.environ.setdefault(START_TIMEOUT_ENV, ELASTIC_START_TIMEOUT_S)
+    stdout = sys.stdout
     if not verbose:
-        sys.stdout = QuietRay(sys.stdout)
+        sys.stdout = QuietRay(stdout)
     _ray_init(spec, verbose)
     reporter.start()
     use_gpu = spec.resources.gpu > 0
@@ -231,6 +233,7 @@ def run(spec: JobSpec, verbose: bool = False) -> dict[str, Any]:
     if summary["status"] == "failed" and not events.events(run_dir, "failed"):
         events.emit(run_dir, "failed", error=summary["error"])
     reporter.stop()
+    sys.stdout = stdout
     sys.stdout.flush()
     return summary
 

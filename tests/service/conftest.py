@@ -33,6 +33,14 @@ class Api:
         self.proc.wait(timeout=30)
 
 
+def ready(url: str) -> bool:
+    """Whether the API at `url` answers /readyz with 200 (ledger and Ray up)."""
+    try:
+        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def start_api(cluster, data_dir: Path, port: int | None = None) -> Api:
     port = port or free_port()
     env = {**cluster.env, "ETRAIN_TOKEN": TOKEN, "ETRAIN_DASHBOARD_URL": cluster.dashboard,
@@ -44,11 +52,8 @@ def start_api(cluster, data_dir: Path, port: int | None = None) -> Api:
     deadline = time.time() + 120
     while time.time() < deadline:
         assert proc.poll() is None, (data_dir / f"api-{port}.log").read_text()[-3000:]
-        try:
-            if httpx.get(f"{api.url}/readyz", timeout=5).status_code == 200:
-                return api
-        except httpx.HTTPError:
-            pass
+        if ready(api.url):
+            return api
         time.sleep(0.5)
     stop_api(api)
     pytest.fail("the API did not become ready")
@@ -170,11 +175,8 @@ def start_serve(args: list[str], env: dict, log: Path, timeout: float = 240) -> 
                 serve.head_pgid = next((p for p in children(proc.pid) if _is_ray_start(p)), None)
             if proc.poll() is not None:
                 pytest.fail(f"`etrain serve` exited with code {proc.returncode}:\n{serve.output()[-3000:]}")
-            try:
-                if httpx.get(f"{serve.url}/readyz", timeout=5).status_code == 200:
-                    return serve
-            except httpx.HTTPError:
-                pass
+            if ready(serve.url):
+                return serve
             time.sleep(0.5)
         pytest.fail(f"`etrain serve` was not ready after {timeout:.0f}s:\n{serve.output()[-3000:]}")
     except BaseException:

@@ -84,3 +84,14 @@ def test_quiet_ray_drops_only_ray_notices(tmp_path):
     print("\x1b[33m(raylet)\x1b[0m A worker died or was killed while executing a task", file=quiet)
     print("[train] attempt 2: 2 worker(s), resuming from step 150", file=quiet)
     assert sink.getvalue() == "[train] attempt 2: 2 worker(s), resuming from step 150\n"
+
+
+def test_a_new_driver_skips_what_earlier_drivers_wrote(tmp_path):
+    run_dir = str(tmp_path)
+    events.emit(run_dir, "attempt_started", attempt=1, world_size=2, from_step=0)
+    with open(tmp_path / events.EVENTS, "ab") as f:
+        f.write(b'{"event": "attempt_sta')  # torn by a killed writer
+    reporter, out = _reporter(run_dir)
+    events.emit(run_dir, "attempt_started", attempt=2, world_size=2, from_step=10)
+    reporter.stop()
+    assert out.getvalue() == "[train] attempt 2: 2 worker(s), resuming from step 10\n"
