@@ -7,6 +7,12 @@ Every stretch of the loop beats; a thread that sees no beat for `timeout_s` reco
 what the worker was doing (with the main thread's stack) and SIGKILLs the process,
 so Ray Train sees a dead worker and restarts the group from the newest checkpoint.
 torch's own watchdogs cover NCCL collectives only (TORCH_NCCL_*), not gloo or Python.
+
+A rank stuck on its own stalls every peer waiting for it in a collective, and all their
+watchdogs would expire within the same poll. A rank that is waiting on its peers
+(`beat(..., on_peers=True)`) therefore gets half the timeout again as grace: the stuck
+rank's own watchdog fires first and the record names the rank and the stretch that
+really stopped, not an echo of it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class Watchdog:
         self.timeout_s, self.run_dir, self.rank = timeout_s, run_dir, rank
         self.activity, self.step, self.attempt = "starting", 0, None
         self._last = time.monotonic()
+        self._grace = 0.0
         self._watched = threading.get_ident()  # the training thread (not the main one under Ray Train)
         self._stop = threading.Event()
         self._kill = kill or (lambda: os.kill(os.getpid(), signal.SIGKILL))
@@ -35,10 +42,11 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def beat(self, activity: str | None = None, step: int | None = None) -> None:
+    def beat(self, activity: str | None = None, step: int | None = None, *, on_peers: bool = False) -> None:
         self._last = time.monotonic()
         if activity is not None:
             self.activity = activity
+            self._grace = self.timeout_s / 2 if on_peers else 0.0
         if step is not None:
             self.step = step
 
@@ -48,7 +56,7 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):
             idle = time.monotonic() - self._last
-            if idle > self.timeout_s:
+            if idle > self.timeout_s + self._grace:
                 self._fire(idle)
                 return
 
