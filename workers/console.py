@@ -134,9 +134,12 @@ class Reporter:
                      f"{e['from_step']}, recomputed {e['lost_steps']} step(s), {e['recovery_s']:.1f}s to this step")
         elif kind == "finished":
             self.flush_progress()
-            acc = e.get("val_accuracy")
+            scores = {"loss": e.get("val_loss"), **(e.get("val_metrics") or {})}
+            if e.get("val_accuracy") is not None:
+                scores["accuracy"] = e["val_accuracy"]
+            shown = ", ".join(f"{name} {value:.4f}" for name, value in scores.items() if value is not None)
             self.say(f"finished: step {e['final_step']}, loss {e['loss']:.4f}"
-                     + (f", validation accuracy {acc:.4f}" if acc is not None else "")
+                     + (f", validation {shown}" if shown else "")
                      + f", {_clock(time.time() - self.started)} in all")
         elif kind == "failed":
             self.failure_block()

@@ -1,7 +1,9 @@
 """The per-worker training loop.
 
 It runs the same under Ray Train (`ray_train_func`) and under plain torchrun
-(bench/), given a `WorkerEnv`; the process group already exists when it starts.
+(bench/), given a `WorkerEnv`; the process group already exists when it starts. What
+is trained comes from the spec's task (workers/tasks); when checkpoints are written and
+loaded is the CheckpointManager's; what a failed attempt cost is recovery.py's.
 """
 
 from __future__ import annotations
@@ -9,26 +11,24 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers import checkpoint, events, failures, strategies
-from workers.data import Splits, load
+from workers import events, failures, recovery, strategies, tasks
+from workers.checkpointing import CheckpointManager, seed_everything
+from workers.data.loader import read
 from workers.data.sampler import ResumableDistributedSampler
 from workers.faults import FaultInjector
-from workers.models import build_model
 from workers.profiling import StepProfiler
 from workers.spec import JobSpec, TrainingSpec
-from workers.watchdog import Watchdog
 from workers.strategies.base import low_precision
+from workers.watchdog import Watchdog
 
 
 @dataclass
@@ -39,6 +39,26 @@ class WorkerEnv:
     # Called on every rank after a commit; rank 0 gets the committed path, others None.
     on_checkpoint: Callable[[dict[str, Any], str | None], None] = lambda metrics, path: None
     node_id: str | None = None
+
+
+@dataclass
+class Trainable:
+    """What one rank trains and everything a checkpoint restores besides the position."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+
+
+@dataclass
+class LoopState:
+    """Where training is: the step done last and the next batch of the data order."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0
+    loss: float = math.nan
 
 
 def weights_sha256(model: nn.Module) -> str:
@@ -52,27 +72,6 @@ def state_sha256(state: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def make_optimizer(cfg: TrainingSpec, params) -> torch.optim.Optimizer:
@@ -94,41 +93,6 @@ def make_schedule(cfg: TrainingSpec, optimizer, total_steps: int) -> torch.optim
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-class Recovery:
-    """What the previous attempt lost, worked out from the run directory."""
-
-    def __init__(self, run_dir: str, from_step: int, world_size: int | None = None):
-        attempts = events.events(run_dir, "attempt_started")
-        self.attempt, self.from_step = len(attempts) + 1, from_step
-        self.pending = self.attempt > 1
-        if not self.pending:
-            return
-        since = attempts[-1]["time"]
-        recent = [e for e in events.events(run_dir) if e["time"] >= since]
-        failed = [e for e in recent if e["event"] in ("fault_injected", "worker_failed", "driver_lost")]
-        culprit = failures.culprit(failed) or {}
-        self.failed_rank = culprit.get("rank")
-        self.cause = culprit.get("kind") or culprit.get("error") or "unknown"
-        progress = [m for m in events.metrics(run_dir) if m.get("attempt") == attempts[-1].get("attempt")]
-        self.reached_step = max((m["step"] for m in progress), default=from_step)
-        self.failure_time = min((e["time"] for e in failed), default=time.time())
-        if world_size is not None and world_size > attempts[-1].get("world_size", world_size):
-            # An elastic job grown by Ray: it kills the old workers (their errors are only
-            # echoes of that), so their last step is when that attempt ended.
-            self.cause, self.failed_rank = "resize", None
-            self.failure_time = max((m["time"] for m in progress), default=attempts[-1]["time"])
-        self.from_step = from_step
-
-    def record(self, run_dir: str) -> dict[str, Any]:
-        self.pending = False
-        return events.emit(
-            run_dir, "resumed", attempt=self.attempt, failed_rank=self.failed_rank, cause=self.cause,
-            from_step=self.from_step, reached_step=self.reached_step,
-            lost_steps=max(0, self.reached_step - self.from_step),
-            recovery_s=round(time.time() - self.failure_time, 3),
-        )
 
 
 def _broadcast(obj: Any, world_size: int) -> Any:
@@ -170,35 +134,25 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
         raise RuntimeError(f"resources.gpu is {spec.resources.gpu:g} but this worker sees no CUDA device")
     device = torch.device(f"cuda:{env.local_rank}" if spec.resources.gpu > 0 else "cpu")
 
-    # Rank 0 clears what a failed attempt half-wrote and lists the checkpoints to try,
-    # newest first; the others take its word so every rank resumes from the same step.
-    if rank == 0:
-        checkpoint.clear_partial(run_dir)
-        candidates = checkpoint.sound(run_dir)
-        recovery = Recovery(run_dir, from_step=candidates[0][0] if candidates else 0, world_size=world)
-        delay = failures.backoff_s(run_dir, recovery.attempt)
-        if delay:
-            events.emit(run_dir, "backoff", attempt=recovery.attempt, delay_s=delay,
-                        reason="the previous attempts failed at the same step")
-        # Recorded before anything that may fail, so an attempt that dies in set-up still
-        # counts (restarts, back-off); training_started follows once it can train.
-        note_resize(run_dir, recovery.attempt, world, recovery.from_step)
-        events.emit(run_dir, "attempt_started", attempt=recovery.attempt, world_size=world,
-                    from_step=recovery.from_step, checkpoint=candidates[0][1] if candidates else None)
-        decided = (candidates, recovery.attempt, delay)
-    else:
-        recovery, decided = None, None
-    candidates, attempt, delay = _broadcast(decided, world)
-    watchdog.attempt = attempt
-    _pause(delay, watchdog)
+    # Rank 0 decides where the attempt starts; the others take its word so every rank
+    # resumes from the same step.
+    attempt, accounting = recovery.begin(run_dir, world) if rank == 0 else (None, None)
+    attempt = _broadcast(attempt, world)
+    watchdog.attempt = attempt.number
+    _pause(attempt.delay_s, watchdog)
 
-    _seed_everything(cfg.seed)
-    watchdog.beat(f"loading the dataset (dataset.name = {spec.dataset.name})")
-    splits: Splits = load(spec.dataset, cfg.seed, context=spec.model.context)
+    seed_everything(cfg.seed)
+    # What the worker was doing, in the words of the spec, should it fail there.
+    model_of, data_of = ((f"task.model() of {spec.task}", f"task.datasets() of {spec.task}") if spec.task
+                         else (f"model.name = {spec.model.name}", f"dataset.name = {spec.dataset.name}"))
+    watchdog.beat(f"building the task ({spec.task or 'built-in'})")
+    task = tasks.load(spec)
+    watchdog.beat(f"loading the dataset ({data_of})")
+    train_set, val_set = task.datasets()
     watchdog.beat("setting up the strategy and the sampler")
     strategy = strategies.build(spec)
     strategy.setup(device, rank, world)  # builds the device mesh: a collective
-    sampler = ResumableDistributedSampler(len(splits.train), cfg.global_batch_size, rank=strategy.data_rank,
+    sampler = ResumableDistributedSampler(len(train_set), cfg.global_batch_size, rank=strategy.data_rank,
                                           world_size=strategy.data_world, seed=cfg.seed)
     # Gradient accumulation: every rank runs the same number of micro-batches (sharded
     # strategies gather parameters in each forward, a collective all must join).
@@ -208,113 +162,108 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
     weight = sampler.local_batch * strategy.data_world / cfg.global_batch_size
     total_steps = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch
     # Where each rank runs, so a worker can be found (and killed on request) through Ray.
-    events.emit(run_dir, "worker_started", attempt=attempt, rank=rank, pid=os.getpid(), node_id=env.node_id,
+    events.emit(run_dir, "worker_started", attempt=attempt.number, rank=rank, pid=os.getpid(), node_id=env.node_id,
                 durable=False)
 
     def new_model() -> nn.Module:
-        return build_model(spec.model, in_channels=splits.in_channels, num_classes=splits.num_classes,
-                           image_size=splits.image_size).to(device)
+        return task.model().to(device)
 
     amp_dtype = low_precision(spec.precision)
-    # fp16 needs loss scaling so small gradients survive; its state is checkpointed.
-    scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
-    watchdog.beat(f"building the model (model.name = {spec.model.name})")
+    watchdog.beat(f"building the model ({model_of})")
     # Before the optimizer: sharding swaps in new parameters, a pipeline keeps one stage.
-    trained = strategy.wrap(new_model())
+    trained = strategy.wrap(new_model(), task)
     model = strategy.model
-    optimizer = make_optimizer(cfg, model.parameters())
-    schedule = make_schedule(cfg, optimizer, total_steps)
-    step, epoch, batch_index = 0, 0, 0
-    found = _load_newest(spec, env, candidates, strategy, model, optimizer, schedule, scaler, device, watchdog)
-    if found:
-        step, epoch, batch_index = found["step"], found["epoch"], found["batch_index"]
-    if rank == 0:
-        recovery.from_step = step
-        events.emit(run_dir, "training_started", attempt=attempt, world_size=world, total_steps=total_steps,
-                    from_step=step, checkpoint=found["path"] if found else None)
+    optimizer = task.optimizer(model.parameters()) if callable(getattr(task, "optimizer", None)) \
+        else make_optimizer(cfg, model.parameters())
+    # fp16 needs loss scaling so small gradients survive; its state is checkpointed.
+    fit = Trainable(model, optimizer, make_schedule(cfg, optimizer, total_steps),
+                    torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16"))
     injector = FaultInjector(spec.faults, run_dir, rank)
-    pending: dict[str, Any] | None = None  # a checkpoint still being written in the background
+    checkpoints = CheckpointManager(spec, env, strategy, fit, device, watchdog, injector)
+    state = LoopState()
+    found = checkpoints.load_newest(attempt.candidates)
+    if found:
+        state.step, state.epoch, state.batch_index = found["step"], found["epoch"], found["batch_index"]
+    if rank == 0:
+        accounting.from_step = state.step
+        events.emit(run_dir, "training_started", attempt=attempt.number, world_size=world, total_steps=total_steps,
+                    from_step=state.step, checkpoint=found["path"] if found else None)
     profiler = StepProfiler()
-    watchdog.beat("training", step)
+    watchdog.beat("training", state.step)
 
-    loss_value = float("nan")
+    def amp():
+        return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
     t_last = time.perf_counter()
-    while step < total_steps:
-        for batch_index, indices in sampler.batches(epoch, batch_index):
-            if step >= total_steps:
+    while state.step < total_steps:
+        order = list(sampler.batches(state.epoch, state.batch_index))
+        batches = read(train_set, [indices for _, indices in order], workers=spec.dataset.loader_workers,
+                       seed=cfg.seed + 7919 * state.epoch + state.batch_index)
+        for batch_index, _ in order:
+            if state.step >= total_steps:
                 break
-            injector.maybe_fire(step + 1)
-            profiler.before(step + 1)
-            watchdog.beat(f"reading the batch of step {step + 1}")
-            injector.maybe_fire(step + 1, phase="data")
-            x, y = splits.train.batch(indices)
+            step = state.step + 1
+            injector.maybe_fire(step)
+            profiler.before(step)
+            watchdog.beat(f"reading the batch of step {step}")
+            injector.maybe_fire(step, phase="data")
+            x, y = next(batches)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            watchdog.beat(f"training step {step + 1}")
+            watchdog.beat(f"training step {step}", on_peers=True)
             optimizer.zero_grad(set_to_none=True)
-            local = strategy.train_step(trained, x, y, loss_fn, micro_batches, weight, scaler.scale,
-                                        lambda: torch.autocast(device.type, dtype=amp_dtype,
-                                                               enabled=amp_dtype is not None))
-            if scaler.is_enabled() and strategy.shards_parameters and world > 1:
-                _agree_on_overflow(scaler, optimizer)
-            scaler.step(optimizer)
-            scaler.update()
-            schedule.step()
-            step += 1
+            local = strategy.train_step(trained, x, y, task.loss, micro_batches, weight, fit.scaler.scale, amp)
+            if fit.scaler.is_enabled() and strategy.shards_parameters and world > 1:
+                _agree_on_overflow(fit.scaler, optimizer)
+            fit.scaler.step(optimizer)
+            fit.scaler.update()
+            fit.schedule.step()
+            state.step = step
             profiler.after(step)
-            loss_value = _mean_loss(local, strategy.owns_loss, world)
+            state.loss = _mean_loss(local, strategy.owns_loss, world)
             watchdog.beat(step=step)
-            if pending and _all(strategy.wait_saved(block=False), world, device):
-                _commit(spec, env, pending, watchdog, injector)
-                pending = None
+            checkpoints.seal_written()
             now = time.perf_counter()
             step_s, t_last = now - t_last, now
             if rank == 0:
-                if recovery.pending:
-                    recovery.record(run_dir)
-                events.log_metrics(run_dir, step=step, epoch=epoch, loss=loss_value, lr=schedule.get_last_lr()[0],
-                                   samples_per_s=cfg.global_batch_size / step_s, step_s=step_s, attempt=attempt)
-            if step % spec.checkpoint.every_steps == 0 or step == total_steps:
-                if pending:  # the previous background write must be sealed first
-                    waited = time.perf_counter()
-                    watchdog.beat(f"waiting for the background checkpoint of step {pending['step']}")
-                    strategy.wait_saved(block=True)
-                    pending["blocked_s"] += time.perf_counter() - waited
-                    _commit(spec, env, pending, watchdog, injector)
-                watchdog.beat(f"writing the checkpoint of step {step}")
-                pending = _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, watchdog,
-                                step=step, epoch=epoch, next_batch=batch_index + 1, loss=loss_value,
-                                # The last one in the foreground: the job ends when it is sealed.
-                                background=spec.parallel.async_checkpoint and strategy.shards_parameters
-                                and step < total_steps)
+                if accounting.pending:
+                    accounting.record(run_dir)
+                events.log_metrics(run_dir, step=step, epoch=state.epoch, loss=state.loss,
+                                   lr=fit.schedule.get_last_lr()[0], samples_per_s=cfg.global_batch_size / step_s,
+                                   step_s=step_s, attempt=attempt.number)
+            checkpoints.save_on_cadence(step, state.epoch, batch_index + 1, state.loss, total_steps)
             t_last = time.perf_counter()
         else:
-            epoch, batch_index = epoch + 1, 0
+            state.epoch, state.batch_index = state.epoch + 1, 0
             continue
         break
 
     profiler.record(run_dir, rank, world)
-    watchdog.beat("gathering the final weights")
+    watchdog.beat("gathering the final weights", on_peers=True)
     weights = strategy.full_state_dict(model)  # a collective for sharded strategies
-    if strategy.shards_parameters:
-        # Rank 0 alone evaluates the whole model: no rank of a split one can.
-        whole = None
-        if rank == 0:
-            whole = new_model()
-            whole.load_state_dict(weights)
-        accuracy, val_loss = evaluate(whole, splits, 0, 1, device, cfg.eval_batch_size, watchdog) if rank == 0 \
-            else (0, 0)
-    else:
-        accuracy, val_loss = evaluate(model, splits, rank, world, device, cfg.eval_batch_size, watchdog)
+    scores = None
+    if val_set is not None:
+        scoring = dict(task=task, dataset=val_set, device=device, batch_size=cfg.eval_batch_size, watchdog=watchdog,
+                       workers=spec.dataset.loader_workers)
+        if strategy.shards_parameters:
+            # Rank 0 alone evaluates the whole model: no rank of a split one can.
+            if rank == 0:
+                whole = new_model()
+                whole.load_state_dict(weights)
+                scores = evaluate(whole, rank=0, world=1, **scoring)
+        else:
+            scores = evaluate(model, rank=rank, world=world, **scoring)
     if rank != 0:
         return None
     watchdog.beat("writing the final weights")
     digest = state_sha256(weights)
     os.makedirs(os.path.join(run_dir, "final"), exist_ok=True)
     torch.save(weights, os.path.join(run_dir, "final", "model.pt"))
-    if recovery.pending:  # failed after the last step: nothing recomputed
-        recovery.record(run_dir)
-    return events.emit(run_dir, "finished", attempt=attempt, final_step=step, loss=loss_value,
-                       val_loss=val_loss, val_accuracy=accuracy, weights_sha256=digest, world_size=world)
+    if accounting.pending:  # failed after the last step: nothing recomputed
+        accounting.record(run_dir)
+    scores = scores or {}
+    return events.emit(run_dir, "finished", attempt=attempt.number, final_step=state.step, loss=state.loss,
+                       val_loss=scores.pop("loss", None), val_accuracy=scores.get("accuracy"), val_metrics=scores,
+                       weights_sha256=digest, world_size=world)
 
 
 def _pause(delay_s: float, watchdog: Watchdog) -> None:
@@ -323,98 +272,6 @@ def _pause(delay_s: float, watchdog: Watchdog) -> None:
     while (left := deadline - time.monotonic()) > 0:
         watchdog.beat(f"backing off {delay_s:g}s after repeated failures")
         time.sleep(min(1.0, left))
-
-
-def _load_newest(spec, env, candidates, strategy, model, optimizer, schedule, scaler, device,
-                 watchdog: Watchdog) -> dict[str, Any] | None:
-    """Load the newest checkpoint every rank can read. One that a rank cannot load (a
-    shard torch cannot read, state that does not fit the model) is moved aside with a
-    `checkpoint_skipped` event and the previous one is tried. Loading overwrites all of
-    the state it touches, so a half-loaded bad one leaves nothing behind."""
-    rank, world = env.rank, env.world_size
-    for step, path in candidates:
-        watchdog.beat(f"loading the checkpoint of step {step}")
-        error = None
-        try:
-            state = checkpoint.load_shard(path, "state.pt")
-            strategy.load_state(path, model, optimizer, state)
-            schedule.load_state_dict(state["schedule"])
-            if state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
-            rng = os.path.join(path, f"rng-rank{rank}.pt")
-            rng_state = checkpoint.load_shard(path, f"rng-rank{rank}.pt") if os.path.exists(rng) else None
-        except Exception as e:
-            if failures.is_communication_error(e):
-                raise
-            error = e
-        if _all(error is None, world, device):
-            if rng_state is not None:
-                _set_rng_state(rng_state)
-            else:  # a rank the checkpoint's world did not have: a fresh stream of its own
-                _seed_everything(spec.training.seed + 1000 * rank + state["step"])
-            return {"step": state["step"], "epoch": state["epoch"], "batch_index": state["batch_index"], "path": path}
-        if error is not None:
-            events.emit(spec.run_dir, "checkpoint_skipped", step=step, rank=rank, error=failures.signature(error)[:1000])
-        if world > 1:
-            dist.barrier()
-        if rank == 0:
-            checkpoint.set_aside(spec.run_dir, step)
-    if candidates:
-        # The model and optimizer may hold part of a bad checkpoint: start again, from scratch.
-        raise RuntimeError(f"no checkpoint of {spec.job_id} could be loaded; they were set aside, the next attempt "
-                           "starts from step 0")
-    return None
-
-
-def _save(spec, env, strategy, model, optimizer, schedule, scaler, injector, watchdog, *, step, epoch, next_batch,
-          loss, background) -> dict[str, Any] | None:
-    """Every rank writes its shards, then rank 0 seals the checkpoint once all are in.
-    A background save returns what _commit needs later, when every rank's writer is done."""
-    started = time.perf_counter()
-    run_dir, rank = spec.run_dir, env.rank
-    tmp = checkpoint.tmp_dir(run_dir, step)
-    weights = strategy.save_state(tmp, model, optimizer, background=background)
-    if rank == 0:
-        checkpoint.write_shard(tmp, "state.pt", {
-            **weights, "schedule": schedule.state_dict(), "scaler": scaler.state_dict(),
-            "step": step, "epoch": epoch, "batch_index": next_batch,
-        })
-    checkpoint.write_shard(tmp, f"rng-rank{rank}.pt", _rng_state())
-    injector.maybe_fire(step, phase="checkpoint")
-    pending = {"step": step, "epoch": epoch, "next_batch": next_batch, "loss": loss, "started": started,
-               "blocked_s": time.perf_counter() - started, "background": background}
-    if background:
-        return pending
-    _commit(spec, env, pending, watchdog, injector)
-    return None
-
-
-def _commit(spec, env, pending: dict[str, Any], watchdog: Watchdog, injector: FaultInjector | None = None) -> None:
-    watchdog.beat(f"waiting for every rank's shards of step {pending['step']}")
-    if env.world_size > 1:
-        dist.barrier()
-    run_dir, step, path = spec.run_dir, pending["step"], None
-    committed = time.perf_counter()
-    if env.rank == 0:
-        watchdog.beat(f"sealing the checkpoint of step {step}")
-        if injector is not None:
-            injector.maybe_fire(step, phase="commit")
-        path = checkpoint.commit(run_dir, step, {"epoch": pending["epoch"], "batch_index": pending["next_batch"],
-                                                 "world_size": env.world_size, "loss": pending["loss"]})
-        checkpoint.prune(run_dir, spec.checkpoint.keep)
-    saved = time.perf_counter()
-    env.on_checkpoint({"step": step, "loss": pending["loss"]}, path)
-    if env.rank == 0:
-        # blocked_s: how long training waited for this checkpoint; save_s: until it was sealed.
-        blocked = pending["blocked_s"] + (saved - committed)
-        events.emit(run_dir, "checkpoint_committed", step=step, path=os.path.relpath(path, run_dir),
-                    save_s=round(saved - pending["started"], 4), blocked_s=round(blocked, 4),
-                    background=pending["background"], report_s=round(time.perf_counter() - saved, 4))
-
-
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over classes (images) or over every position's next token (gpt)."""
-    return nn.functional.cross_entropy(output.flatten(0, -2).float(), target.flatten())
 
 
 def _mean_loss(local: torch.Tensor, owns_loss: bool, world: int) -> float:
@@ -427,14 +284,6 @@ def _mean_loss(local: torch.Tensor, owns_loss: bool, world: int) -> float:
     return (t[0] / t[1]).item()
 
 
-def _all(flag: bool, world: int, device: torch.device) -> bool:
-    if world == 1:
-        return flag
-    t = torch.tensor([int(flag)], device=device)  # on the default group's device: NCCL takes no CPU tensors
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
-
-
 def _agree_on_overflow(scaler: torch.amp.GradScaler, optimizer) -> None:
     """fp16 with sharded weights: each rank checks only its own gradient shards for
     inf/NaN, so one rank could skip a step the others take. Make them agree.
@@ -444,32 +293,33 @@ def _agree_on_overflow(scaler: torch.amp.GradScaler, optimizer) -> None:
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
 
 
-def note_resize(run_dir: str, attempt: int, world: int, from_step: int) -> None:
-    """An attempt that runs with a different worker count than the one before is a resize."""
-    before = events.events(run_dir, "attempt_started")
-    if before and before[-1].get("world_size") != world:
-        events.emit(run_dir, "resized", attempt=attempt, old_size=before[-1]["world_size"], new_size=world,
-                    from_step=from_step)
-
-
-def evaluate(model: nn.Module, splits: Splits, rank: int, world: int, device, batch_size: int,
-             watchdog: Watchdog | None = None) -> tuple[float, float]:
-    """Accuracy and mean loss on the validation split (per token for gpt), each rank a
-    strided share."""
+def evaluate(model: nn.Module, *, task, dataset, rank: int, world: int, device, batch_size: int,
+             watchdog: Watchdog | None = None, workers: int = 0) -> dict[str, float]:
+    """The task's loss and metrics on the validation split, each averaged over its
+    samples; each rank scores a strided share."""
     model.eval()
-    correct = torch.zeros(3, dtype=torch.float64)
-    indices = torch.arange(rank, len(splits.val), world)
+    indices = torch.arange(rank, len(dataset), world)
+    sums: dict[str, float] = {"samples": 0.0, "loss": 0.0}
+    metrics = getattr(task, "metrics", None)
     with torch.no_grad():
-        for lo in range(0, len(indices), batch_size):
+        for x, y in read(dataset, list(indices.split(batch_size)), workers=workers):
             if watchdog is not None:
                 watchdog.beat("evaluating on the validation split")
-            x, y = splits.val.batch(indices[lo : lo + batch_size])
-            logits = model(x.to(device))
-            correct[0] += (logits.argmax(-1).cpu() == y).sum()
-            correct[1] += y.numel()
-            correct[2] += nn.functional.cross_entropy(logits.flatten(0, -2).float(), y.flatten().to(device),
-                                                      reduction="sum").item()
+            output, y = model(x.to(device)), y.to(device)
+            n = len(y)
+            sums["samples"] += n
+            sums["loss"] += float(task.loss(output, y)) * n
+            for name, value in (metrics(output, y) if callable(metrics) else {}).items():
+                sums[name] = sums.get(name, 0.0) + float(value) * n
     model.train()
     if world > 1:
-        dist.all_reduce(correct)
-    return (correct[0] / max(1, correct[1])).item(), (correct[2] / max(1, correct[1])).item()
+        if watchdog is not None:
+            watchdog.beat("sharing the validation results", on_peers=True)
+        parts: list[dict[str, float]] = [{}] * world
+        dist.all_gather_object(parts, sums)
+        sums = {}
+        for part in parts:
+            for name, value in part.items():
+                sums[name] = sums.get(name, 0.0) + value
+    samples = sums.pop("samples")
+    return {name: value / max(1.0, samples) for name, value in sums.items()}

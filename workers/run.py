@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from workers import events, ray_token
+from workers import events, failures, ray_token
 from workers.spec import JobSpec, absolute_paths, load_spec, write_spec_json
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC = 0, 1, 2
@@ -105,6 +105,8 @@ def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]
         "final_step": (finished or {}).get("final_step", max((m["step"] for m in events.metrics(run_dir)), default=0)),
         "loss": (finished or {}).get("loss"),
         "val_accuracy": (finished or {}).get("val_accuracy"),
+        "val_loss": (finished or {}).get("val_loss"),
+        "val_metrics": (finished or {}).get("val_metrics") or {},
         "restarts": max(0, len(attempts) - 1),
         "steps_recomputed": sum(r.get("lost_steps", 0) for r in resumed),
         "recoveries": [
@@ -119,6 +121,10 @@ def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]
     }
     if status == "failed":
         summary["error"] = (failed or {}).get("error") or error or "training did not finish"
+        last = attempts[-1].get("attempt") if attempts else None
+        blamed = failures.culprit([e for e in events.events(run_dir, "worker_failed") if e.get("attempt") == last])
+        if blamed and blamed.get("traceback"):
+            summary["traceback"] = blamed["traceback"][-1500:]  # its tail: where in the user's code
     return summary
 
 
@@ -136,13 +142,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ray_init(spec: JobSpec, verbose: bool) -> None:
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray for the driver of a Ray job
+
+
+def worker_runtime_env(spec: JobSpec, code: str | None) -> dict[str, Any]:
+    """What every worker needs besides the cluster's Python: the task's code as its
+    working directory (Ray uploads it, so workers on other machines import it) and the
+    spec's requirements."""
+    env: dict[str, Any] = {"env_vars": dict(WORKER_ENV)}
+    if code:
+        env["working_dir"] = code
+    if spec.requirements:
+        env["pip"] = list(spec.requirements)
+    job = json.loads(os.environ.get(JOB_CONFIG_ENV) or "{}").get("runtime_env") or {}
+    # The driver of a Ray job (`ray job submit --working-dir DIR`): the job's runtime_env
+    # already reaches every worker, and Ray refuses a key given twice.
+    for key in [k for k in env if k != "env_vars" and k in job]:
+        del env[key]
+    env["env_vars"] = {k: v for k, v in env["env_vars"].items() if k not in (job.get("env_vars") or {})}
+    return env
+
+
+def _ray_init(spec: JobSpec, verbose: bool, code: str | None = None) -> None:
     import logging
 
     import ray
 
     quiet = {} if verbose else {"logging_level": logging.WARNING}
-    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    runtime_env = worker_runtime_env(spec, code)
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=verbose, runtime_env=runtime_env, **quiet)
         return
@@ -166,7 +193,8 @@ def _ray_init(spec: JobSpec, verbose: bool) -> None:
              dashboard_host="127.0.0.1", dashboard_port=port, log_to_driver=verbose, runtime_env=runtime_env, **quiet)
 
 
-def run(spec: JobSpec, verbose: bool = False) -> dict[str, Any]:
+def run(spec: JobSpec, verbose: bool = False, code: str | None = None) -> dict[str, Any]:
+    """`code`: the directory the task is imported from, shipped to every worker."""
     ray_token.ensure()  # before Ray is imported: it reads RAY_AUTH_MODE once, at import
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -177,13 +205,20 @@ def run(spec: JobSpec, verbose: bool = False) -> dict[str, Any]:
 
     started = time.time()
     run_dir = prepare_run_dir(spec)
-    notice = check_available(spec.dataset)
+    from workers import check
+
+    # Before Ray starts: a task that cannot run as the spec asks is refused, not retried.
+    reason = check.problem(spec, code)
+    if reason:
+        raise check.Refused(reason)
+    notice = None if spec.task else check_available(spec.dataset)
     if notice:
         print(notice, flush=True)
     note_lost_driver(run_dir)
     reporter = Reporter(run_dir, started=started)
     events.emit(run_dir, "job_started", pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS"))
-    print(f"[train] job {spec.job_id}: {spec.model.name} on {spec.dataset.name}, {spec.strategy}, "
+    what = f"task {spec.task}" if spec.task else f"{spec.model.name} on {spec.dataset.name}"
+    print(f"[train] job {spec.job_id}: {what}, {spec.strategy}, "
           f"{spec.workers if not spec.elastic else f'{spec.workers.min}-{spec.workers.max}'} worker(s); "
           f"run directory {run_dir}", flush=True)
     if spec.elastic:
@@ -191,7 +226,7 @@ def run(spec: JobSpec, verbose: bool = False) -> dict[str, Any]:
     stdout = sys.stdout
     if not verbose:
         sys.stdout = QuietRay(stdout)
-    _ray_init(spec, verbose)
+    _ray_init(spec, verbose, code)
     reporter.start()
     use_gpu = spec.resources.gpu > 0
     trainer = TorchTrainer(
@@ -262,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("spec", help="job spec file, YAML or JSON")
     parser.add_argument("--storage", help="override the spec's storage root")
     parser.add_argument("--job-id", help="override the spec's job_id")
+    parser.add_argument("--code", metavar="DIR",
+                        help="directory holding the spec's task; every worker gets it as its working directory")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="also show Ray's own output and the workers' (quiet by default)")
     args = parser.parse_args(argv)
@@ -272,11 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         if overrides:
             spec = JobSpec.model_validate({**spec.model_dump(), **overrides})
         spec = absolute_paths(spec)
+        code = os.path.abspath(args.code) if args.code else None
+        if code and not os.path.isdir(code):
+            raise ValueError(f"--code {args.code}: no such directory")
     except (OSError, ValueError, ValidationError) as e:
         print(f"error: invalid spec {args.spec}: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_SPEC
     try:
-        summary = run(spec, args.verbose)
+        summary = run(spec, args.verbose, code)
     except Exception as e:  # a clear line, not a traceback, for what stops a job before training
         from workers.data import DatasetUnavailable
 

@@ -86,6 +86,11 @@ class DatasetSpec(_Part):
     max_chars: int = Field(
         2_000_000, ge=1000, le=1_000_000_000, description="python_source: characters of corpus to read."
     )
+    loader_workers: int = Field(
+        0, ge=0, le=64,
+        description="DataLoader worker processes per training worker for a task's datasets (0: read in the "
+        "training process, where the RNG is restored exactly on resume).",
+    )
     fallback_to_synthetic: bool = Field(
         False, description="If the files are missing, train on the synthetic set instead (with a notice)."
     )
@@ -205,7 +210,7 @@ def parallel_error(spec: JobSpec, world: int) -> str | None:
     if strategy in ("ddp", "fsdp") and (p.tensor > 1 or p.pipeline > 1 or p.shard):
         return (f"parallel.tensor, parallel.pipeline and parallel.shard apply to the tensor, pipeline and hybrid "
                 f"strategies; strategy {strategy!r} uses every worker for data parallelism")
-    if strategy in ("tensor", "pipeline", "hybrid") and spec.model.name != "gpt":
+    if strategy in ("tensor", "pipeline", "hybrid") and spec.model.name != "gpt" and not spec.task:
         return f"strategy {strategy!r} splits a transformer's layers: it needs model 'gpt', not {spec.model.name!r}"
     if spec.precision == "fp16" and (strategy in ("tensor", "pipeline") or p.tensor > 1 or p.pipeline > 1):
         # GradScaler cannot unscale a mix of split (DTensor) and whole gradients, and a
@@ -244,6 +249,8 @@ def parallel_error(spec: JobSpec, world: int) -> str | None:
 
 
 def _tensor_error(spec: JobSpec, tp: int) -> str | None:
+    if spec.task:  # a task's own tensor_plan decides what splits
+        return None
     if spec.model.heads % tp or (4 * spec.model.width) % tp:
         return (f"tensor parallel degree {tp} must divide model.heads ({spec.model.heads}) so each rank "
                 f"holds whole attention heads")
@@ -251,7 +258,7 @@ def _tensor_error(spec: JobSpec, tp: int) -> str | None:
 
 
 def _pipeline_error(spec: JobSpec, *, stages: int, data: int) -> str | None:
-    if spec.model.layers < stages:
+    if not spec.task and spec.model.layers < stages:
         return f"{stages} pipeline stages need at least as many model.layers, got {spec.model.layers}"
     share = spec.training.global_batch_size // data
     if spec.training.global_batch_size % data or share % spec.parallel.microbatches:
@@ -293,6 +300,24 @@ class JobSpec(_Part):
     failure: Annotated[FailureSpec, Field(default_factory=FailureSpec)]
     faults: list[FaultSpec] = Field(default_factory=list, max_length=100)
     storage: str = Field(default_factory=default_storage, description="Root under which run directories live.")
+    task: str | None = Field(
+        None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="Your own training task, 'module:function': function(task_config) returns an object with "
+        "model(), datasets() and loss(output, target) (see README, 'Your own code'). Unset: the built-in task "
+        "that model and dataset name.",
+    )
+    task_config: dict[str, Any] = Field(
+        default_factory=dict, description="Any JSON object; passed to the task function on every attempt."
+    )
+    code: str | None = Field(
+        None, pattern=r"^[0-9a-f]{16,64}$",
+        description="The id of a code archive uploaded to the service (POST /v1/code, `etrain submit --code DIR`); "
+        "it becomes every worker's working directory.",
+    )
+    requirements: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        default_factory=list, max_length=100,
+        description="pip requirements the task needs; installed on every worker by Ray (runtime_env pip).",
+    )
 
     _shorthand_model = field_validator("model", mode="before")(_name_shorthand)
     _shorthand_dataset = field_validator("dataset", mode="before")(_name_shorthand)
@@ -310,7 +335,7 @@ class JobSpec(_Part):
                 f"{self.max_workers} workers: every worker needs at least one sample per step"
             )
         text = self.dataset.name in TEXT_DATASETS
-        if text != (self.model.name == "gpt") and self.model.name != "custom":
+        if text != (self.model.name == "gpt") and self.model.name != "custom" and not self.task:
             raise ValueError(
                 f"model {self.model.name!r} does not fit dataset {self.dataset.name!r}: gpt trains on "
                 f"{' or '.join(TEXT_DATASETS)}, image models on {', '.join(IMAGE_DATASETS)}"

@@ -17,17 +17,19 @@ def small() -> GPT:
 def test_pipeline_stages_keep_the_full_models_names_and_together_hold_all_of_it():
     full = small()
     names = set(full.state_dict())
-    stages = [small().keep_stage(s, 3) for s in range(3)]
+    stages = [full.stage(s, 3) for s in range(3)]
     parts = [set(stage.state_dict()) for stage in stages]
     assert set().union(*parts) == names
     assert sum(len(p) for p in parts) == len(names)  # no parameter in two stages
     assert [list(stage.layers) for stage in stages] == [["0", "1"], ["2", "3"], ["4"]]
     assert stages[0].tok is not None and stages[1].tok is None and stages[2].head is not None
+    # The stages share the model's modules (one copy of the weights), and leave it whole.
+    assert stages[2].head is full.head and set(full.state_dict()) == names
 
 
 def test_stages_chained_compute_what_the_whole_model_computes():
     tokens = torch.randint(0, 32, (2, 8))
-    stages = [small().keep_stage(s, 3) for s in range(3)]
+    stages = [small().stage(s, 3) for s in range(3)]
     h = tokens
     for stage in stages:
         h = stage(h)

@@ -124,7 +124,7 @@ def test_mixed_precision_trains_and_resumes_exactly(tmp_path, precision):
 
 
 def test_recovery_blames_the_dead_process_not_the_peer_that_lost_its_connection(tmp_path):
-    from workers.loop import Recovery
+    from workers.recovery import Recovery
 
     run_dir = str(tmp_path)
     events.emit(run_dir, "attempt_started", attempt=1)

@@ -55,7 +55,7 @@ def test_mlp_uses_the_hidden_width():
 
 
 def test_registry_holds_the_builtin_models():
-    assert set(REGISTRY) == {"simple_cnn", "resnet18", "mlp", "gpt"}
+    assert set(REGISTRY) == {"simple_cnn", "resnet18", "mlp", "gpt", "custom"}
 
 
 def test_custom_factory_is_imported_and_called():

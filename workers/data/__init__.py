@@ -180,12 +180,14 @@ def load(spec: DatasetSpec, seed: int, context: int = 64) -> Splits:
         return splits
     if notice:
         return _synthetic(spec, seed, notice)
-    if spec.name in TEXT_DATASETS:
-        return _tokens(spec, seed, context)
-    if spec.name == "synthetic":
-        return _synthetic(spec, seed)
-    if spec.name == "idx":
-        return _tensor_splits(read_idx(spec.images), read_idx(spec.labels), None, None, spec, seed)
-    if spec.name == "image_folder":
-        return _image_folder(spec, seed)
-    return _torchvision(spec, seed)
+    return LOADERS[spec.name](spec, seed, context)
+
+
+LOADERS = {
+    "synthetic": lambda spec, seed, context: _synthetic(spec, seed),
+    "idx": lambda spec, seed, context: _tensor_splits(read_idx(spec.images), read_idx(spec.labels), None, None,
+                                                      spec, seed),
+    "image_folder": lambda spec, seed, context: _image_folder(spec, seed),
+    **{name: lambda spec, seed, context: _torchvision(spec, seed) for name in ("mnist", "fashion_mnist", "cifar10")},
+    **{name: _tokens for name in TEXT_DATASETS},
+}

@@ -8,6 +8,8 @@ the MLP's fc1/fc2 are the linears tensor parallelism splits by column, then by r
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -89,20 +91,22 @@ class GPT(nn.Module):
                 plan[f"layers.{i}.{name}"] = RowwiseParallel()
         return plan
 
-    def keep_stage(self, stage: int, stages: int) -> GPT:
-        """Drop what pipeline stage `stage` of `stages` does not run: the embeddings unless
-        first, the norm and head unless last, the layers outside its contiguous share."""
+    def stage(self, stage: int, stages: int) -> GPT:
+        """Pipeline stage `stage` of `stages`: a GPT that shares this one's modules but
+        runs only its contiguous share of the layers, with the embeddings if first and
+        the norm and head if last. Its parameter names are the whole model's."""
         names = list(self.layers)
         per, extra = divmod(len(names), stages)
         lo = stage * per + min(stage, extra)
         hi = lo + per + (1 if stage < extra else 0)
-        for name in names[:lo] + names[hi:]:
-            del self.layers[name]
+        part = copy.copy(self)  # nn.Module keeps its children in dicts: copy those, not the modules
+        part._parameters, part._buffers, part._modules = dict(self._parameters), dict(self._buffers), dict(self._modules)
+        part.layers = nn.ModuleDict({name: self.layers[name] for name in names[lo:hi]})
         if stage > 0:
-            self.tok = self.pos = None
+            part.tok = part.pos = None
         if stage < stages - 1:
-            self.norm = self.head = None
-        return self
+            part.norm = part.head = None
+        return part
 
 
 def gpt(*, num_classes: int, layers: int = 4, width: int = 128, heads: int = 4, context: int = 64, **_) -> GPT:

@@ -50,8 +50,9 @@ class Strategy:
         """Whether this rank computes the loss (a pipeline's last stage only)."""
         return True
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """Return what this rank trains: its optimizer covers `self.model`'s parameters."""
+    def wrap(self, model: nn.Module, task: Any = None) -> nn.Module:
+        """Return what this rank trains: its optimizer covers `self.model`'s parameters.
+        `task` offers the hooks model-parallel strategies split the model by."""
         self.model = model
         return model
 

@@ -13,7 +13,7 @@ class DDP(Strategy):
 
     name = "ddp"
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, task=None) -> nn.Module:
         self.model = model
         if self.world_size == 1:
             return model

@@ -23,7 +23,7 @@ class FSDP(Sharded):
         return cls(cpu_offload=spec.fsdp.cpu_offload, param_dtype=low_precision(spec.precision),
                    shard=spec.parallel.shard)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, task=None) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
 
         kwargs = {}
@@ -31,7 +31,7 @@ class FSDP(Sharded):
             kwargs["mesh"] = init_device_mesh(self.device.type, (self.world_size // self.shard, self.shard),
                                               mesh_dim_names=("replicate", "shard"))
         kwargs.update(fsdp_policies(self.device, self.cpu_offload, self.param_dtype))
-        shard_blocks(model, **kwargs)
+        shard_blocks(model, units(task, model), **kwargs)
         self.model = model
         return model
 
@@ -63,16 +63,23 @@ def fsdp_policies(device: torch.device, cpu_offload: bool, param_dtype: torch.dt
     return kwargs
 
 
-def shard_blocks(model: nn.Module, **kwargs) -> None:
+def shard_blocks(model: nn.Module, blocks: list[nn.Module], **kwargs) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    for block in _blocks(model):
+    for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
 
 
+def units(task, model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP gathers one at a time: the task's `fsdp_units(model)` if it has
+    the hook, else what _blocks finds."""
+    hook = getattr(task, "fsdp_units", None)
+    return list(hook(model)) if callable(hook) else _blocks(model)
+
+
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The units FSDP gathers one at a time: a model's repeated blocks where it names them
+    """A model's repeated blocks where it names them
     (torchvision ResNet's layer1..4, a transformer's layers), else its direct children
     that hold parameters."""
     for attr in ("layers", "blocks", "h"):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 from torch import nn
 
@@ -40,20 +42,21 @@ class Pipeline(DataTimesModel):
     def contributes_full_state(self) -> bool:
         return self.data_rank == 0  # one copy of each stage
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if not hasattr(model, "keep_stage"):
-            raise ValueError(f"{type(model).__name__} has no keep_stage(): pipeline parallelism needs model 'gpt'")
+    def wrap(self, model: nn.Module, task=None) -> nn.Module:
         # The whole model is built (same seed, same initial weights as one process), then
         # each rank keeps its stage.
-        model.keep_stage(self.stage_index, self.stages)
-        self.shard_data_parallel(model, self.param_dtype)
-        self.model = model
-        return model
+        stages = list(task.pipeline_stages(model, self.stages))
+        if len(stages) != self.stages:
+            raise ValueError(f"the task's pipeline_stages(model, {self.stages}) returned {len(stages)} stages")
+        self.stage_module = stages[self.stage_index]
+        self.model = saved_part(model, self.stage_module)
+        self.shard_data_parallel(self.stage_module, self.param_dtype, task)
+        return self.stage_module
 
     def _build_schedule(self, loss_fn: LossFn) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        stage = PipelineStage(self.model, self.stage_index, self.stages, self.device, group=self.mesh["pp"].get_group())
+        stage = PipelineStage(self.stage_module, self.stage_index, self.stages, self.device, group=self.mesh["pp"].get_group())
         cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
         # scale_grads: the stage divides gradients by the micro-batch count, so a step is
         # the mean over the whole batch, as in one process.
@@ -79,3 +82,26 @@ class Pipeline(DataTimesModel):
             self.schedule.step(target=y, losses=losses)
         else:
             self.schedule.step()
+
+
+def saved_part(model: nn.Module, stage: nn.Module) -> nn.Module:
+    """What a stage's rank saves and optimizes, under the whole model's names, so stage
+    parts never share a name and a checkpoint reshards by name: the stage itself where
+    its names already are the model's (gpt's stages), else the model with every
+    parameter and buffer the stage does not hold removed (the stage shares its modules)."""
+    def tensors(module: nn.Module):
+        return chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+
+    whole = {id(t): name for name, t in tensors(model)}
+    own = list(tensors(stage))
+    if all(whole.get(id(t)) == name for name, t in own):
+        return stage
+    kept = {id(t) for _, t in own}
+    if not kept <= set(whole):
+        raise ValueError("the task's pipeline_stages() returned a stage with parameters that are not the model's: "
+                         "build the stages from the model's own modules")
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name in [n for n, t in store.items() if t is not None and id(t) not in kept]:
+                del store[name]
+    return model

@@ -97,11 +97,11 @@ class DataTimesModel(Sharded):
     def data_world(self) -> int:
         return self.mesh["dp"].size()
 
-    def shard_data_parallel(self, model: nn.Module, param_dtype: torch.dtype | None) -> None:
-        from workers.strategies.fsdp import fsdp_policies, shard_blocks
+    def shard_data_parallel(self, model: nn.Module, param_dtype: torch.dtype | None, task=None) -> None:
+        from workers.strategies.fsdp import fsdp_policies, shard_blocks, units
 
         if self.data_world > 1:
-            shard_blocks(model, mesh=self.mesh["dp"], **fsdp_policies(self.device, False, param_dtype))
+            shard_blocks(model, units(task, model), mesh=self.mesh["dp"], **fsdp_policies(self.device, False, param_dtype))
 
 
 def _state_dicts(model: nn.Module, optimizer):

@@ -26,13 +26,11 @@ class TensorParallel(DataTimesModel):
     def from_spec(cls, spec) -> TensorParallel:
         return cls(tp=None, param_dtype=low_precision(spec.precision))  # strategy 'tensor': all ranks
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, task=None) -> nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        if not hasattr(model, "tensor_parallel_plan"):
-            raise ValueError(f"{type(model).__name__} has no tensor_parallel_plan(): tensor parallelism needs model 'gpt'")
-        parallelize_module(model, self.mesh["tp"], model.tensor_parallel_plan())
-        self.shard_data_parallel(model, self.param_dtype)
+        parallelize_module(model, self.mesh["tp"], task.tensor_plan(model))
+        self.shard_data_parallel(model, self.param_dtype, task)
         self.model = model
         return model
 
