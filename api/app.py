@@ -13,9 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api.deps import UNAUTHORIZED, token_ok
-from api.routes import cluster, health, jobs
+from api.routes import cluster, code, health, jobs
 from service import ledger
-from service.admission import Rejected
+from service.admission import CodeOff, Rejected
 from service.gateway import Gateway, GatewayError, RayGateway
 from service.jobs import NotRunning, RunDirTaken
 from service.lifecycle import IllegalTransition
@@ -28,13 +28,14 @@ CAPACITY_TTL_S = 10.0
 
 
 class BodyLimit:
-    """413 for bodies over the limit, counted as they arrive (Content-Length may be absent)."""
+    """413 for bodies over the limit, counted as they arrive (Content-Length may be absent).
+    Paths in `own_limit` count their bodies themselves (code archives: larger, streamed to disk)."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, own_limit: tuple[str, ...] = ()):
+        self.app, self.max_bytes, self.own_limit = app, max_bytes, own_limit
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"].rstrip("/") in self.own_limit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
@@ -138,7 +139,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None, *, reconcile:
     app.state.metrics = metrics
     app.state.reconciler = reconciler
     app.state.capacity = _capacity_probe(gateway)
-    for router in (jobs.router, cluster.router, health.router):
+    for router in (jobs.router, code.router, cluster.router, health.router):
         app.include_router(router)
 
     @app.middleware("http")
@@ -150,7 +151,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None, *, reconcile:
             time.perf_counter() - started)
         return response
 
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, own_limit=(code.router.prefix,))
     app.add_middleware(BearerAuth)  # added last: the outermost, so the first to answer
     _error_handlers(app)
     return app
@@ -172,6 +173,10 @@ def _error_handlers(app: FastAPI) -> None:
     async def rejected(_: Request, exc: Rejected):
         return reply(422, [{"loc": list(exc.loc), "msg": exc.message, "type": "rejected"}],
                      f"{'.'.join(exc.loc[1:])}: {exc.message}")
+
+    @app.exception_handler(CodeOff)
+    async def code_off(_: Request, exc: CodeOff):
+        return reply(403, str(exc))
 
     @app.exception_handler(IllegalTransition)
     async def illegal(_: Request, exc: IllegalTransition):

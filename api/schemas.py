@@ -80,3 +80,9 @@ class ClusterPublic(BaseModel):
 
 class Message(BaseModel):
     detail: str
+
+
+class CodePublic(BaseModel):
+    id: str = Field(description="The archive's SHA-256; name it in a job's `code`.")
+    size: int = Field(description="Bytes.")
+    created: float = Field(description="When it was stored (Unix time).")

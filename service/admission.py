@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 from typing import Any
 
-from service.settings import Settings
+from service import code
+from service.settings import Settings, without_secrets
 from workers.spec import MODELS, JobSpec
 
 
@@ -15,15 +20,34 @@ class Rejected(ValueError):
         self.loc, self.message = loc, message
 
 
+class CodeOff(PermissionError):
+    """The operator turned users' own code off (ETRAIN_ALLOW_CODE=false): 403."""
+
+
+CODE_OFF = "the operator turned users' own code off on this service (ETRAIN_ALLOW_CODE=false)"
+
+
+def code_off_for(spec: JobSpec) -> str | None:
+    """Why a job may not run on a service without users' code, or None when it may."""
+    # requirements too: pip runs a package's build code, and may fetch any URL.
+    used = [f for f, on in (("task", spec.task), ("code", spec.code), ("requirements", spec.requirements),
+                            ("model 'custom'", spec.model.name == "custom")) if on]
+    if not used:
+        return None
+    return (f"{CODE_OFF}: this job sets {' and '.join(used)}; use a built-in model "
+            f"({', '.join(m for m in MODELS if m != 'custom')}) and no task, code or requirements")
+
+
 def admit(spec: JobSpec, settings: Settings, capacity: dict[str, Any] | None) -> JobSpec:
     """Check a request's spec against the service's rules; return it with the storage
     the service chooses. `capacity` is the cluster's totals (None when Ray is down)."""
     if "storage" in spec.model_fields_set:
         raise Rejected(("body", "storage"), "storage is chosen by the service; leave it out")
-    if spec.model.name == "custom" and not settings.allow_custom_models:
-        raise Rejected(("body", "model", "name"),
-                       "model 'custom' runs code named in the request and is disabled on this service; "
-                       f"allowed: {', '.join(m for m in MODELS if m != 'custom')}")
+    if not settings.allow_code and (why := code_off_for(spec)):
+        raise CodeOff(why)
+    if spec.code and code.stored(settings, spec.code) is None:
+        raise Rejected(("body", "code"), f"no code archive {spec.code}; upload it with POST /v1/code "
+                       "(`etrain submit --code DIR` does both)")
     roots = settings.allowed_data_roots
     for field in ("root", "images", "labels"):
         path = getattr(spec.dataset, field)
@@ -46,4 +70,65 @@ def admit(spec: JobSpec, settings: Settings, capacity: dict[str, Any] | None) ->
             raise Rejected(("body", "workers"),
                            f"{spec.min_workers} workers need {need_cpu:g} CPUs and {need_gpu:g} GPUs; the cluster "
                            f"has {cpus:g} CPUs and {gpus:g} GPUs in all, so this job could never start")
-    return spec.model_copy(update={"storage": settings.runs_dir})
+    admitted = spec.model_copy(update={"storage": settings.runs_dir})
+    check_task(admitted, settings)
+    return admitted
+
+
+def check_task(spec: JobSpec, settings: Settings) -> None:
+    """A job with a task of its own: import it (with its code archive) and check it has the
+    hooks the job's strategy needs, before the job is accepted. `python -m workers.check`
+    does it in a subprocess, with a time limit and without the service's secrets: user
+    code is never imported into the service."""
+    if not spec.task:
+        return
+    if spec.requirements:
+        # Accepted unchecked: the task may import what its requirements install, which the
+        # service's interpreter may lack. Ray installs them for the workers, where a missing
+        # hook fails the job instead.
+        return
+    python = settings.python or sys.executable
+    with tempfile.TemporaryDirectory(prefix="etrain-check-") as tmp:
+        spec_file, cwd = os.path.join(tmp, "spec.json"), os.path.join(tmp, "run")
+        os.mkdir(cwd)
+        with open(spec_file, "w") as f:
+            f.write(spec.model_dump_json())
+        args = [python, "-m", "workers.check", spec_file]
+        if spec.code:
+            unpacked = os.path.join(tmp, "code")
+            code.unpack(code.archive_path(settings, spec.code), unpacked)
+            args += ["--code", unpacked]
+        rc, stderr = _run_check(args, cwd, settings.task_check_timeout_s)
+    if rc == 0:
+        return
+    last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
+    if rc is None:
+        raise Rejected(("body", "task"), f"checking task {spec.task!r} took over {settings.task_check_timeout_s:g}s "
+                       "(importing it must not train or download anything)")
+    if rc == 2 and last:
+        raise Rejected(("body", "task"), last)
+    raise Rejected(("body", "task"), f"checking task {spec.task!r} failed (exit code {rc})"
+                   + (f": {last}" if last else ""))
+
+
+def _run_check(args: list[str], cwd: str, timeout: float) -> tuple[int | None, str]:
+    """(exit code, or None after the time limit; the end of stderr). Output goes to files,
+    so a task that prints without end cannot fill the service's memory."""
+    env = {**without_secrets(os.environ), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("RAY_ADDRESS", None)
+    with open(os.path.join(cwd, "stdout"), "wb") as out, open(os.path.join(cwd, "stderr"), "w+b") as err:
+        proc = subprocess.Popen(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:  # the check and anything it started
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        err.seek(0, os.SEEK_END)
+        err.seek(max(0, err.tell() - 8192))
+        return rc, err.read().decode(errors="replace")

@@ -236,6 +236,9 @@ def _serve(data_dir, host, port, ray_port, dashboard_port, num_cpus, dataset_roo
     elif not settings.token:
         _say(f"API token in {escape(str(token_file))}")
     _say(f"jobs may read datasets under: {escape(', '.join(settings.allowed_data_roots))}")
+    _say("users' own code (task, code archives, model 'custom'): "
+         + ("allowed; anyone with the API token runs code as this user (ETRAIN_ALLOW_CODE=false turns it off)"
+            if settings.allow_code else "off (ETRAIN_ALLOW_CODE=false)"))
     _say(f"API on http://{settings.host}:{settings.port}  docs /docs  Ray dashboard {settings.dashboard_url}")
     uvicorn.run(application, host=settings.host, port=settings.port, log_level="warning")
 
@@ -270,17 +273,48 @@ def submit(
     spec: Annotated[Path, typer.Argument(help="Job spec, YAML or JSON.")],
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Show live progress until the job ends.")] = False,
     idempotency_key: Annotated[Optional[str], typer.Option(help="Resubmitting with it never starts a second job.")] = None,
+    code: Annotated[Optional[Path], typer.Option(
+        "--code", help="Your code: this directory is zipped, uploaded and becomes the workers' working directory "
+        "(for the spec's `task`).")] = None,
     url: UrlOpt = "http://127.0.0.1:8000", data_dir: DataDirOpt = None,
 ):
     """Submit a job."""
     body = _load_spec(spec)
+    archive = _pack(code) if code is not None else None
     with _client(url, data_dir) as client:
+        if archive is not None:
+            body["code"] = _upload(client, code, archive)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
         job = _request(client, "POST", "/v1/jobs", json=body, headers=headers)
         console.print(f"job [bold]{job['id']}[/bold] {job['state']}  ({job.get('dashboard_url') or 'not yet on Ray'})")
         if watch:
             job = watch_job(client, job["id"])
             raise typer.Exit(0 if job["state"] == "SUCCEEDED" else 1)
+
+
+def _pack(directory: Path) -> bytes:
+    """DIR zipped (the same tree, the same archive, so the same id)."""
+    from service.code import make_archive
+
+    if not directory.is_dir():
+        _fail(f"--code {directory}: {'not a directory' if directory.exists() else 'no such directory'}", 2)
+    try:
+        return make_archive(directory)
+    except OSError as e:
+        _fail(f"cannot zip --code {directory}: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", 2)
+
+
+def _upload(client: httpx.Client, directory: Path, archive: bytes) -> str:
+    """Upload an archive; its id. A refusal is one line with the service's reason."""
+    response = client.post("/v1/code", content=archive, headers={"Content-Type": "application/zip"}, timeout=300)
+    if response.status_code >= 400 and response.status_code != 401:
+        try:
+            detail = response.json().get("message") or response.json().get("detail")
+        except (ValueError, AttributeError):
+            detail = None
+        _fail(f"the service refused the code in {directory} ({len(archive)} bytes zipped): "
+              f"{response.status_code}: {_one_line(detail or response.reason_phrase)}")
+    return _call(response)["id"]
 
 
 def _state(job: dict) -> str:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from service.settings import SECRET_ENV
+from service.settings import without_secrets
 
 
 class RayStartError(RuntimeError):
@@ -64,9 +64,8 @@ class EmbeddedRay:
 
     def child_env(self) -> dict[str, str]:
         """This process's environment for `ray start`, less what jobs must not see."""
-        env = {**os.environ, **self.env}
-        for name in ("RAY_ADDRESS", *SECRET_ENV):
-            env.pop(name, None)
+        env = without_secrets({**os.environ, **self.env})
+        env.pop("RAY_ADDRESS", None)
         return env
 
     def start(self, timeout: float = 120) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol, Sequence
 
 from service.settings import Settings
 
@@ -17,7 +17,8 @@ class GatewayError(RuntimeError):
 class Gateway(Protocol):
     dashboard_url: str
 
-    def submit(self, *, submission_id: str, spec_path: str, job_id: str) -> None: ...
+    def submit(self, *, submission_id: str, spec_path: str, job_id: str, code_path: str | None = None,
+               requirements: Sequence[str] = ()) -> None: ...
     def status(self, submission_id: str) -> str | None: ...
     def logs(self, submission_id: str) -> str: ...
     def tail_logs(self, submission_id: str) -> AsyncIterator[str]: ...
@@ -66,12 +67,19 @@ class RayGateway:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise GatewayError(f"cannot connect to Ray at {address}: {first}") from e
 
-    def submit(self, *, submission_id: str, spec_path: str, job_id: str) -> None:
+    def submit(self, *, submission_id: str, spec_path: str, job_id: str, code_path: str | None = None,
+               requirements: Sequence[str] = ()) -> None:
+        """`code_path`: a stored code archive, the working directory of the driver and every
+        worker (the Jobs SDK uploads it to the cluster); `requirements`: pip installs for them."""
+        env = runtime_env(code_path, requirements)
+        # With pip, Ray puts the job in a virtualenv of its own: `python` is that one's,
+        # which this interpreter's absolute path would pass by.
+        python = "python" if requirements else self.python
         # The very command a user would pass to `ray job submit`.
-        entrypoint = f"{shlex.quote(self.python)} -m workers.run {shlex.quote(spec_path)}"
+        entrypoint = f"{shlex.quote(python)} -m workers.run {shlex.quote(spec_path)}"
         try:
             self.client.submit_job(entrypoint=entrypoint, submission_id=submission_id,
-                                   metadata={"etrain_job_id": job_id})
+                                   metadata={"etrain_job_id": job_id}, runtime_env=env)
         except RuntimeError as e:
             if "already exists" in str(e):  # resubmitting the same id is how we stay idempotent
                 return
@@ -136,6 +144,17 @@ class RayGateway:
             self.client.get_version()
         except Exception as e:
             raise GatewayError(f"Ray Jobs API at {self.dashboard_url} unreachable: {e}") from e
+
+
+def runtime_env(code_path: str | None, requirements: Sequence[str] = ()) -> dict[str, Any] | None:
+    """The Ray runtime_env of a job: its code archive as working_dir (Ray takes a local .zip
+    and uploads it), its requirements as pip. None when it has neither."""
+    env: dict[str, Any] = {}
+    if code_path:
+        env["working_dir"] = str(code_path)
+    if requirements:
+        env["pip"] = list(requirements)
+    return env or None
 
 
 _kill = None

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import ledger, rundir
+from service import code, ledger, rundir
 from service.gateway import Gateway, GatewayError
 from service.lifecycle import IllegalTransition, JobState
 from service.settings import Settings
@@ -92,11 +92,18 @@ def submit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway
         path = write_spec(settings, spec)
     except RunDirTaken as e:
         return ledger.update_job(sessions, job_id=job.id, state=JobState.FAILED, error=str(e))
+    # A resubmitted job runs the very code it was accepted with: the spec keeps the
+    # archive's id, and archives are never replaced (their name is their digest).
+    archive = code.stored(settings, spec.code) if spec.code else None
+    if spec.code and archive is None:
+        return ledger.update_job(sessions, job_id=job.id, state=JobState.FAILED,
+                                 error=f"code archive {spec.code} is no longer stored under {code.code_dir(settings)}")
     if resubmit or not job.submission_id:
         n = job.submissions + 1
         extra = {"resubmits": job.resubmits + 1, "resubmitted_at": time.time()} if resubmit else {}
         job = ledger.update_job(sessions, job_id=job.id, submission_id=submission_name(job.id, n), submissions=n, **extra)
-    gateway.submit(submission_id=job.submission_id, spec_path=path, job_id=job.id)
+    gateway.submit(submission_id=job.submission_id, spec_path=path, job_id=job.id,
+                   code_path=str(archive) if archive else None, requirements=spec.requirements)
     target = JobState.RECOVERING if resubmit else JobState.SUBMITTED
     try:
         return ledger.update_job(sessions, job_id=job.id, state=target)

@@ -16,6 +16,11 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 SECRET_ENV = ("ETRAIN_TOKEN", "DATABASE_URL", "ETRAIN_DATABASE_URL")
 
 
+def without_secrets(env: dict[str, str]) -> dict[str, str]:
+    """`env` less what user code must not see (the service's token and database URL)."""
+    return {k: v for k, v in env.items() if k not in SECRET_ENV}
+
+
 def _default_data_dir() -> Path:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     return Path(cache) / "elastic-train"
@@ -48,7 +53,15 @@ class Settings(BaseSettings):
         description="Directories jobs may read dataset files from, besides <data_dir>/datasets: a JSON list or "
         "paths joined by ':' (`etrain serve --dataset-root DIR` adds one).",
     )
-    allow_custom_models: bool = Field(False, description="Accept model.name=custom (runs code named by the request).")
+    allow_code: bool = Field(
+        True, description="Run users' own code: code archives (POST /v1/code), a job's `task`, `code` and model "
+        "'custom'. Off (ETRAIN_ALLOW_CODE=false): only the built-in models and tasks run.",
+    )
+    max_code_bytes: int = Field(50 * 2**20, ge=1, description="Largest code archive POST /v1/code takes (413 above).")
+    task_check_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="Seconds a job's task may take to import when its hooks are checked at submission.",
+    )
 
     @field_validator("dataset_roots", mode="before")
     @classmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 
 class FakeGateway:
@@ -17,10 +17,12 @@ class FakeGateway:
         self.cpus, self.gpus = cpus, gpus
         self._lock = threading.Lock()
 
-    def submit(self, *, submission_id: str, spec_path: str, job_id: str) -> None:
+    def submit(self, *, submission_id: str, spec_path: str, job_id: str, code_path: str | None = None,
+               requirements: Sequence[str] = ()) -> None:
         with self._lock:  # Ray refuses a second job with the same submission id
             if submission_id not in self.submitted:
-                self.submitted[submission_id] = {"spec_path": spec_path, "job_id": job_id}
+                self.submitted[submission_id] = {"spec_path": spec_path, "job_id": job_id, "code_path": code_path,
+                                                  "requirements": list(requirements)}
                 self.statuses[submission_id] = "PENDING"
 
     def status(self, submission_id: str) -> str | None:

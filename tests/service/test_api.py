@@ -61,7 +61,7 @@ class UnreachableGateway(FakeGateway):
 @pytest.fixture
 def settings(tmp_path) -> Settings:
     return Settings(data_dir=tmp_path / "data", token=TOKEN, storage=None, dataset_roots=[],
-                    max_body_bytes=MAX_BODY, allow_custom_models=False)
+                    max_body_bytes=MAX_BODY)
 
 
 @pytest.fixture
@@ -211,18 +211,18 @@ def test_extra_dataset_roots_are_allowed(tmp_path):
         assert r.status_code == 422 and str(extra) in r.json()["message"]
 
 
-def test_custom_model_is_rejected_unless_allowed(client, app, settings, tmp_path):
+def test_custom_model_is_accepted_unless_the_operator_turned_code_off(client, app, settings, tmp_path):
     body = small(model={"name": "custom", "factory": "os:system"})
-    r = client.post("/v1/jobs", json=body)
-    assert_clean(r)
-    assert r.status_code == 422
-    assert r.json()["message"].startswith("model.name:")
-    assert "simple_cnn" in r.json()["message"] and "disabled" in r.json()["message"]
-    assert job_count(app) == 0 and run_dirs(settings) == []
+    assert client.post("/v1/jobs", json=body).status_code == 201  # users' code is on by default
 
-    allowed = Settings(data_dir=tmp_path / "custom", token=TOKEN, storage=None, allow_custom_models=True)
-    with TestClient(create_app(allowed, FakeGateway(), reconcile=False), headers=AUTH) as other:
-        assert other.post("/v1/jobs", json=body).status_code == 201
+    off = Settings(data_dir=tmp_path / "off", token=TOKEN, storage=None, allow_code=False)
+    with TestClient(create_app(off, FakeGateway(), reconcile=False), headers=AUTH) as other:
+        r = other.post("/v1/jobs", json=body)
+        assert_clean(r)
+        assert r.status_code == 403
+        assert "ETRAIN_ALLOW_CODE=false" in r.json()["detail"] and "model 'custom'" in r.json()["detail"]
+        assert "simple_cnn" in r.json()["detail"]
+        assert job_count(other.app) == 0 and run_dirs(off) == []
 
 
 def test_more_workers_than_the_cluster_can_ever_hold_is_rejected(settings):

@@ -36,6 +36,9 @@ def _app(data_dir):
 # ---------------------------------------------------------------- schemathesis over the OpenAPI document
 
 
+# POST /v1/code takes raw bytes as application/zip: send them as for application/octet-stream.
+schemathesis.serializer.alias("application/zip", "application/octet-stream")
+
 # Built at import: schemathesis reads the schema when it collects the tests (its lazy,
 # fixture-based loader does not work with pytest 9). The directory goes when the process ends.
 _FUZZ_DIR = tempfile.mkdtemp(prefix="etrain-fuzz-")

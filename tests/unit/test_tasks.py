@@ -19,7 +19,7 @@ EXAMPLE = ROOT / "examples" / "own-task"
 
 
 def wave(**changes) -> JobSpec:
-    return JobSpec.model_validate({"task": "wave:make_task", "task_config": {"samples": 256}, **changes})
+    return JobSpec.model_validate({"task": "sine:make_task", "task_config": {"samples": 256}, **changes})
 
 
 def test_a_users_task_is_imported_from_the_code_directory_and_built_from_task_config():
@@ -34,7 +34,7 @@ def test_a_users_task_is_imported_from_the_code_directory_and_built_from_task_co
 @pytest.mark.parametrize("strategy, hook", [("tensor", "tensor_plan(model)"), ("pipeline", "pipeline_stages(model, n)")])
 def test_a_strategy_whose_hook_the_task_lacks_is_named(strategy, hook):
     reason = problem(wave(strategy=strategy, parallel={"microbatches": 2}), str(EXAMPLE))
-    assert reason and f"strategy {strategy!r} needs the task's {hook} hook" in reason and "WaveTask" in reason
+    assert reason and f"strategy {strategy!r} needs the task's {hook} hook" in reason and "SineTask" in reason
 
 
 def test_a_task_that_cannot_be_imported_or_lacks_the_contract_is_named(tmp_path):
@@ -62,7 +62,7 @@ def test_a_map_style_dataset_reads_through_a_dataloader_with_worker_processes():
 
 
 def test_workers_run_refuses_the_spec_before_any_worker_starts(tmp_path):
-    spec = {"job_id": "no-tensor-plan", "task": "wave:make_task", "strategy": "tensor", "workers": 2,
+    spec = {"job_id": "no-tensor-plan", "task": "sine:make_task", "strategy": "tensor", "workers": 2,
             "storage": str(tmp_path / "runs")}
     done = subprocess.run([sys.executable, "-m", "workers.run", str(write_spec(tmp_path, spec)), "--code", str(EXAMPLE)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -72,9 +72,9 @@ def test_workers_run_refuses_the_spec_before_any_worker_starts(tmp_path):
 
 
 def test_the_check_command_says_the_same_with_exit_2(tmp_path):
-    spec = write_spec(tmp_path, {"task": "wave:make_task", "strategy": "pipeline", "workers": 2})
+    spec = write_spec(tmp_path, {"task": "sine:make_task", "strategy": "pipeline", "workers": 2})
     done = subprocess.run([sys.executable, "-m", "workers.check", str(spec), "--code", str(EXAMPLE)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "pipeline_stages(model, n)" in done.stderr
-    ok = write_spec(tmp_path, {"task": "wave:make_task", "strategy": "fsdp", "workers": 2}, "ok.yaml")
+    ok = write_spec(tmp_path, {"task": "sine:make_task", "strategy": "fsdp", "workers": 2}, "ok.yaml")
     assert subprocess.run([sys.executable, "-m", "workers.check", str(ok), "--code", str(EXAMPLE)]).returncode == 0

@@ -41,7 +41,7 @@ class Regressor(nn.Module):
         return self.out(x)
 
 
-class WaveTask:
+class SineTask:
     def __init__(self, config: dict):
         self.samples = int(config.get("samples", 4096))
         self.freq = float(config.get("freq", 2.0))
@@ -67,5 +67,5 @@ class WaveTask:
         return list(model.blocks)
 
 
-def make_task(config: dict) -> WaveTask:
-    return WaveTask(config)
+def make_task(config: dict) -> SineTask:
+    return SineTask(config)
