@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 
 from service.settings import Settings
+from workers.checkpoint import fsync_dir
 
 ID = re.compile(r"^[0-9a-f]{16,64}$")  # what JobSpec.code accepts; stored ids are full sha256 digests
 # A zip may unpack to far more than it weighs; Ray unpacks it on every node.
@@ -143,7 +144,7 @@ class Upload:
             return code_id, False
         os.chmod(self.tmp, 0o644)
         os.replace(self.tmp, final)  # the same bytes racing in from two requests: either is right
-        _fsync_dir(self.dir)
+        fsync_dir(str(self.dir))
         return code_id, True
 
     def discard(self) -> None:
@@ -159,14 +160,6 @@ class Upload:
 def too_large(limit: int) -> str:
     return f"code archive over {limit} bytes (the service's ETRAIN_MAX_CODE_BYTES); leave data and virtual " \
            "environments out of it"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def unpack(path: str | os.PathLike, dest: str | os.PathLike) -> None:

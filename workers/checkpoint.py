@@ -37,7 +37,7 @@ def tmp_dir(run_dir: str, step: int) -> str:
     return os.path.join(root(run_dir), f".tmp-{step_name(step)}")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -78,19 +78,19 @@ def commit(run_dir: str, step: int, meta: dict[str, Any]) -> str:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(src)
+    fsync_dir(src)
     dst = os.path.join(root(run_dir), step_name(step))
     if os.path.exists(dst):  # a replay after a failure recommitted this step; same bytes
         shutil.rmtree(dst)
     os.rename(src, dst)
-    _fsync_dir(root(run_dir))
+    fsync_dir(root(run_dir))
     latest_tmp = os.path.join(root(run_dir), f".{LATEST}.tmp")
     with open(latest_tmp, "w") as f:
         f.write(step_name(step) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(latest_tmp, os.path.join(root(run_dir), LATEST))
-    _fsync_dir(root(run_dir))
+    fsync_dir(root(run_dir))
     return dst
 
 
@@ -156,7 +156,7 @@ def set_aside(run_dir: str, step: int) -> str:
     src = os.path.join(root(run_dir), step_name(step))
     dst = os.path.join(root(run_dir), f".unloadable-{step_name(step)}-{int(time.time())}")
     os.rename(src, dst)
-    _fsync_dir(root(run_dir))
+    fsync_dir(root(run_dir))
     return dst
 
 
