@@ -29,7 +29,10 @@ TRACEBACK_MARKS = ("Traceback", 'File "')
 
 
 def _app(data_dir):
-    settings = Settings(data_dir=data_dir, token=TOKEN, storage=None, dataset_roots=[], max_body_bytes=8192)
+    # A task's check runs in a child process; it must end well inside the fuzzer's 10 s
+    # read timeout even on a loaded machine (a task that imports torch takes seconds).
+    settings = Settings(data_dir=data_dir, token=TOKEN, storage=None, dataset_roots=[], max_body_bytes=8192,
+                        task_check_timeout_s=4)
     return create_app(settings, FakeGateway(cpus=16), reconcile=False)
 
 

@@ -45,7 +45,9 @@ def test_a_task_that_cannot_be_imported_or_lacks_the_contract_is_named(tmp_path)
 
 
 def test_built_in_tasks_come_from_the_registry_and_keep_the_split_hooks():
-    assert type(tasks.load(JobSpec.model_validate({}))) is tasks.BUILTIN["images"]
+    from workers.tasks.builtin import ImageTask
+
+    assert type(tasks.load(JobSpec.model_validate({}))) is ImageTask
     text = tasks.load(JobSpec.model_validate({"model": "gpt", "dataset": "synthetic_tokens"}))
     assert callable(text.tensor_plan) and callable(text.pipeline_stages)
 
@@ -78,3 +80,13 @@ def test_the_check_command_says_the_same_with_exit_2(tmp_path):
     assert done.returncode == 2 and "pipeline_stages(model, n)" in done.stderr
     ok = write_spec(tmp_path, {"task": "sine:make_task", "strategy": "fsdp", "workers": 2}, "ok.yaml")
     assert subprocess.run([sys.executable, "-m", "workers.check", str(ok), "--code", str(EXAMPLE)]).returncode == 0
+
+
+def test_checking_a_task_that_cannot_be_imported_does_not_import_torch(tmp_path):
+    """The service checks every submitted task in a child process: a bad name must be
+    answered at once, not after torch's import."""
+    spec = write_spec(tmp_path, {"task": "no_such_module_xyz:make"})
+    code = ("import sys; from workers.check import main; rc = main([sys.argv[1]]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, str(spec)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "cannot be imported" in done.stderr, done.stderr

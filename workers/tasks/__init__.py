@@ -13,11 +13,13 @@ import importlib
 from typing import Any
 
 from workers.spec import TEXT_DATASETS, JobSpec
-from workers.tasks.builtin import ImageTask, TextTask
 
 REQUIRED = ("model", "datasets", "loss")
 OPTIONAL = ("metrics", "optimizer", "fsdp_units", "tensor_plan", "pipeline_stages")
-BUILTIN: dict[str, type] = {"images": ImageTask, "text": TextTask}
+# "module:Class" of the built-in tasks, imported when used: checking a user's task
+# (`python -m workers.check`, run by the service on every submission) must not pay for
+# torch and torchvision unless the task itself imports them.
+BUILTIN: dict[str, str] = {"images": "workers.tasks.builtin:ImageTask", "text": "workers.tasks.builtin:TextTask"}
 
 
 class TaskError(ValueError):
@@ -35,10 +37,9 @@ def describe(spec: JobSpec) -> str:
 def load(spec: JobSpec) -> Any:
     """The spec's task, built afresh (a user's from `task_config`, on every attempt)."""
     if not spec.task:
-        return BUILTIN[builtin_kind(spec)](spec)
-    module, _, attr = spec.task.partition(":")
+        return _named(BUILTIN[builtin_kind(spec)])(spec)
     try:
-        factory = getattr(importlib.import_module(module), attr)
+        factory = _named(spec.task)
     except (ImportError, AttributeError) as e:
         raise TaskError(f"task {spec.task!r} cannot be imported: {type(e).__name__}: {e} (ship the code with "
                         "--code DIR, or put the module on the workers' PYTHONPATH)") from e
@@ -48,6 +49,11 @@ def load(spec: JobSpec) -> Any:
         raise TaskError(f"task {spec.task!r} returned a {type(task).__name__} without {', '.join(m + '()' for m in missing)}: "
                         f"a task needs model(), datasets() and loss(output, target)")
     return task
+
+
+def _named(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def needed_hooks(spec: JobSpec) -> list[str]:
