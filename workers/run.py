@@ -205,7 +205,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None) -> dict[s
 
     started = time.time()
     run_dir = prepare_run_dir(spec)
-    from workers import check
+    from workers import check, tasks
 
     # Before Ray starts: a task that cannot run as the spec asks is refused, not retried.
     reason = check.problem(spec, code)
@@ -217,8 +217,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None) -> dict[s
     note_lost_driver(run_dir)
     reporter = Reporter(run_dir, started=started)
     events.emit(run_dir, "job_started", pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS"))
-    what = f"task {spec.task}" if spec.task else f"{spec.model.name} on {spec.dataset.name}"
-    print(f"[train] job {spec.job_id}: {what}, {spec.strategy}, "
+    print(f"[train] job {spec.job_id}: {tasks.describe(spec)}, {spec.strategy}, "
           f"{spec.workers if not spec.elastic else f'{spec.workers.min}-{spec.workers.max}'} worker(s); "
           f"run directory {run_dir}", flush=True)
     if spec.elastic:

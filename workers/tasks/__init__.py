@@ -15,7 +15,6 @@ from typing import Any
 from workers.spec import TEXT_DATASETS, JobSpec
 
 REQUIRED = ("model", "datasets", "loss")
-OPTIONAL = ("metrics", "optimizer", "fsdp_units", "tensor_plan", "pipeline_stages")
 # "module:Class" of the built-in tasks, imported when used: checking a user's task
 # (`python -m workers.check`, run by the service on every submission) must not pay for
 # torch and torchvision unless the task itself imports them.
