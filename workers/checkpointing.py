@@ -85,8 +85,11 @@ class CheckpointManager:
                     set_rng_state(rng_saved)
                 else:  # a rank the checkpoint's world did not have: a fresh stream of its own
                     seed_everything(spec.training.seed + 1000 * rank + saved["step"])
+                # The loss of the checkpoint's step, so a run resumed at its last step
+                # still reports one.
+                loss = (checkpoint.read_manifest(path, verify=False) or {}).get("loss")
                 return {"step": saved["step"], "epoch": saved["epoch"], "batch_index": saved["batch_index"],
-                        "path": path}
+                        "path": path, "loss": loss}
             if error is not None:
                 events.emit(spec.run_dir, "checkpoint_skipped", step=step, rank=rank,
                             error=failures.signature(error)[:1000])

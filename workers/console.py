@@ -130,7 +130,8 @@ class Reporter:
         elif kind == "resized":
             self.say(f"resized: {e['old_size']} -> {e['new_size']} worker(s) at step {e['from_step']}")
         elif kind == "resumed":
-            self.say(f"recovered: rank {e.get('failed_rank')} failed ({e.get('cause')}), resumed from step "
+            who = f"rank {e['failed_rank']} failed" if e.get("failed_rank") is not None else "the driver was lost"
+            self.say(f"recovered: {who} ({e.get('cause')}), resumed from step "
                      f"{e['from_step']}, recomputed {e['lost_steps']} step(s), {e['recovery_s']:.1f}s to this step")
         elif kind == "finished":
             self.flush_progress()

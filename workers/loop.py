@@ -184,6 +184,8 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
     found = checkpoints.load_newest(attempt.candidates)
     if found:
         state.step, state.epoch, state.batch_index = found["step"], found["epoch"], found["batch_index"]
+        if found.get("loss") is not None:
+            state.loss = found["loss"]
     if rank == 0:
         accounting.from_step = state.step
         events.emit(run_dir, "training_started", attempt=attempt.number, world_size=world, total_steps=total_steps,

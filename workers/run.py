@@ -92,6 +92,20 @@ def note_lost_driver(run_dir: str) -> None:
                 pid=history[starts[-1]].get("pid"))
 
 
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's, in its experiment directory (ours)
+
+
+def forget_ray_snapshot(run_dir: str) -> None:
+    """Ray Train records every reported checkpoint in a snapshot and, when a new driver
+    starts on the same directory, refuses to start if one of them is gone. Retention is
+    ours (checkpoint.prune) and so is resume (LATEST), so the snapshot of a previous
+    driver only ever stops a resubmitted job; a new driver starts without it."""
+    try:
+        os.remove(os.path.join(run_dir, RAY_SNAPSHOT))
+    except FileNotFoundError:
+        pass
+
+
 def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]:
     run_dir = spec.run_dir
     finished = next(iter(events.events(run_dir, "finished")[-1:]), None)
@@ -215,6 +229,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None) -> dict[s
     if notice:
         print(notice, flush=True)
     note_lost_driver(run_dir)
+    forget_ray_snapshot(run_dir)
     reporter = Reporter(run_dir, started=started)
     events.emit(run_dir, "job_started", pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS"))
     print(f"[train] job {spec.job_id}: {tasks.describe(spec)}, {spec.strategy}, "
