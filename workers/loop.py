@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from workers import events, failures, recovery, strategies, tasks
-from workers.checkpointing import CheckpointManager, seed_everything
+from workers.checkpointing import CheckpointManager, rng_state, seed_everything, set_rng_state
 from workers.data.loader import read
 from workers.data.sampler import ResumableDistributedSampler
 from workers.faults import FaultInjector
@@ -191,6 +191,9 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
         events.emit(run_dir, "training_started", attempt=attempt.number, world_size=world, total_steps=total_steps,
                     from_step=state.step, checkpoint=found["path"] if found else None)
     profiler = StepProfiler()
+    scoring = dict(task=task, dataset=val_set, device=device, batch_size=cfg.eval_batch_size, watchdog=watchdog,
+                   workers=spec.dataset.loader_workers)
+    every = spec.evaluation.every_steps if spec.evaluation and val_set is not None else 0
     watchdog.beat("training", state.step)
 
     def amp():
@@ -226,12 +229,16 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
             checkpoints.seal_written()
             now = time.perf_counter()
             step_s, t_last = now - t_last, now
+            # After the step's clock stopped: samples/s stays the training pace.
+            val = None
+            if every and step % every == 0:
+                val = validate_now(strategy, model, new_model, scoring, rank, world)
             if rank == 0:
                 if accounting.pending:
                     accounting.record(run_dir)
                 events.log_metrics(run_dir, step=step, epoch=state.epoch, loss=state.loss,
                                    lr=fit.schedule.get_last_lr()[0], samples_per_s=cfg.global_batch_size / step_s,
-                                   step_s=step_s, attempt=attempt.number)
+                                   step_s=step_s, attempt=attempt.number, **val_fields(val))
             checkpoints.save_on_cadence(step, state.epoch, batch_index + 1, state.loss, total_steps)
             t_last = time.perf_counter()
         else:
@@ -244,16 +251,7 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
     weights = strategy.full_state_dict(model)  # a collective for sharded strategies
     scores = None
     if val_set is not None:
-        scoring = dict(task=task, dataset=val_set, device=device, batch_size=cfg.eval_batch_size, watchdog=watchdog,
-                       workers=spec.dataset.loader_workers)
-        if strategy.shards_parameters:
-            # Rank 0 alone evaluates the whole model: no rank of a split one can.
-            if rank == 0:
-                whole = new_model()
-                whole.load_state_dict(weights)
-                scores = evaluate(whole, rank=0, world=1, **scoring)
-        else:
-            scores = evaluate(model, rank=rank, world=world, **scoring)
+        scores = score(strategy, model, new_model, scoring, rank, world, weights=weights)
     if rank != 0:
         return None
     watchdog.beat("writing the final weights")
@@ -293,6 +291,56 @@ def _agree_on_overflow(scaler: torch.amp.GradScaler, optimizer) -> None:
     scaler.unscale_(optimizer)
     for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+
+def score(strategy, model: nn.Module, new_model: Callable[[], nn.Module], scoring: dict[str, Any], rank: int,
+          world: int, *, weights: dict[str, torch.Tensor] | None = None,
+          spread: bool = False) -> dict[str, float] | None:
+    """The validation scores of the model as trained so far: on every rank, or on rank 0
+    alone (None elsewhere) where the model is split. No rank of a split model can score
+    it, so a whole one is built from the gathered `weights` (gathered here when not given).
+    Rank 0 alone scores it at the end, when the others are done; with `spread`, during
+    training, every rank scores its share from broadcast weights, since the others would
+    otherwise wait for rank 0 in the next step's collective, which failure.collective_timeout_s
+    cuts short."""
+    if not strategy.shards_parameters:
+        return evaluate(model, rank=rank, world=world, **scoring)
+    if weights is None:
+        scoring["watchdog"].beat("gathering the weights to validate", on_peers=True)
+        weights = strategy.full_state_dict(model)  # a collective
+    if spread:
+        scoring["watchdog"].beat("sharing the weights to validate", on_peers=True)
+        weights = _broadcast(weights, world)
+    elif rank != 0:
+        return None
+    whole = new_model()
+    whole.load_state_dict(weights)
+    return evaluate(whole, rank=rank if spread else 0, world=world if spread else 1, **scoring)
+
+
+def validate_now(strategy, model: nn.Module, new_model: Callable[[], nn.Module], scoring: dict[str, Any],
+                 rank: int, world: int) -> dict[str, float] | None:
+    """`score` in the middle of training (evaluation.every_steps), on every rank since it is
+    a collective. Exact resume needs the training RNG streams as they were: building a whole
+    model draws initial weights, and a task's loss or metrics may draw too, so every stream a
+    checkpoint restores is put back afterwards. The data order is the sampler's, untouched."""
+    saved = rng_state()
+    try:
+        return score(strategy, model, new_model, scoring, rank, world, spread=True)
+    finally:
+        set_rng_state(saved)
+
+
+def val_fields(scores: dict[str, float] | None) -> dict[str, Any]:
+    """A metrics line's validation keys (a web page reads these names): val_loss,
+    val_accuracy where the task measures accuracy, and val_metrics, every metric but the loss."""
+    if scores is None:
+        return {}
+    metrics = {name: value for name, value in scores.items() if name != "loss"}
+    fields: dict[str, Any] = {"val_loss": scores.get("loss"), "val_metrics": metrics}
+    if "accuracy" in metrics:
+        fields["val_accuracy"] = metrics["accuracy"]
+    return fields
 
 
 def evaluate(model: nn.Module, *, task, dataset, rank: int, world: int, device, batch_size: int,

@@ -144,6 +144,22 @@ class CheckpointSpec(_Part):
     keep: int = Field(3, ge=1, le=1000, description="Committed checkpoints to retain.")
 
 
+class EvaluationSpec(_Part):
+    every_steps: int = Field(
+        ..., le=100_000_000,
+        description="Score the validation split every N steps; the step's metrics line gets val_loss, "
+        "val_accuracy and val_metrics. It runs on every worker and leaves training exactly as it would be without.",
+    )
+
+    @field_validator("every_steps")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        # pydantic's own "greater than or equal to 1" does not say what the number means.
+        if value < 1:
+            raise ValueError(f"evaluation.every_steps must be at least 1 (a step count), got {value}")
+        return value
+
+
 class FailureSpec(_Part):
     max_failures: int = Field(3, ge=-1, le=1000, description="Infrastructure failures to retry; -1: no limit.")
     collective_timeout_s: int = Field(
@@ -297,6 +313,9 @@ class JobSpec(_Part):
         "fp32", description="bf16/fp16: autocast with fp32 weights; fp16 also scales the loss (GradScaler)."
     )
     checkpoint: Annotated[CheckpointSpec, Field(default_factory=CheckpointSpec)]
+    evaluation: EvaluationSpec | None = Field(
+        None, description="Validation during training, e.g. {every_steps: 100}; unset: only once, at the end."
+    )
     failure: Annotated[FailureSpec, Field(default_factory=FailureSpec)]
     faults: list[FaultSpec] = Field(default_factory=list, max_length=100)
     storage: str = Field(default_factory=default_storage, description="Root under which run directories live.")
