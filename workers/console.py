@@ -10,7 +10,6 @@ short block (the whole traceback stays in events.jsonl), recoveries and the end.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -18,44 +17,10 @@ import time
 from typing import Any, TextIO
 
 from workers import events, failures
+from workers.events import Tail
 
 PROGRESS_EVERY_S = 9.5  # polled every 0.5 s: a line at least every 10 s
 TRACEBACK_LINES = 3
-
-
-class Tail:
-    """New whole JSON lines of a file since the last call (a torn last line waits)."""
-
-    def __init__(self, path: str):
-        self.path, self.offset = path, 0
-
-    def skip_to_end(self) -> None:
-        """Start after what the file holds now (its last line, if torn, is skipped too)."""
-        try:
-            with open(self.path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - 65536))  # a record is far shorter than this
-                tail = f.read()
-        except FileNotFoundError:
-            return
-        self.offset = size - len(tail) + tail.rfind(b"\n") + 1
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        out = []
-        for raw in data[:end].splitlines():
-            try:
-                out.append(json.loads(raw))
-            except ValueError:
-                continue
-        return out
 
 
 def _clock(seconds: float) -> str:
@@ -65,7 +30,7 @@ def _clock(seconds: float) -> str:
 
 
 class Reporter:
-    def __init__(self, run_dir: str, out: TextIO = sys.stdout, started: float | None = None):
+    def __init__(self, run_dir: str, out: TextIO = sys.stdout, started: float | None = None, board=None):
         self.events = Tail(os.path.join(run_dir, events.EVENTS))
         self.metrics = Tail(os.path.join(run_dir, events.METRICS))
         self.out, self.started = out, started or time.time()
@@ -77,6 +42,7 @@ class Reporter:
         self.failures: list[dict[str, Any]] = []  # failure events of the attempt that is failing
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
+        self.board = board  # a workers.tensorboard.BoardWriter, polled along, or None
         # Records written before this driver started belong to an earlier run of the job.
         self.events.skip_to_end()
         self.metrics.skip_to_end()
@@ -97,6 +63,17 @@ class Reporter:
         if self.last and self.last["step"] != self.printed_step and (
                 now - self.printed_at >= PROGRESS_EVERY_S or self.last["step"] == self.total):
             self.progress(now)
+        self.tend_board(close=False)
+
+    def tend_board(self, close: bool) -> None:
+        # TensorBoard is a view: a failure there is said once, and training goes on.
+        if self.board is None:
+            return
+        try:
+            self.board.close() if close else self.board.poll()
+        except Exception as e:
+            self.board = None
+            self.say(f"TensorBoard files are no longer written: {type(e).__name__}: {e}")
 
     def progress(self, now: float) -> None:
         m = self.last
@@ -185,6 +162,7 @@ class Reporter:
             self.thread.join()
         self.poll()
         self.failure_block()
+        self.tend_board(close=True)
 
 
 class QuietRay:

@@ -59,3 +59,38 @@ def log_metrics(run_dir: str, **fields: Any) -> None:
 
 def metrics(run_dir: str) -> list[dict[str, Any]]:
     return list(read(os.path.join(run_dir, METRICS)))
+
+
+class Tail:
+    """New whole JSON lines of a file since the last call (a torn last line waits)."""
+
+    def __init__(self, path: str):
+        self.path, self.offset = path, 0
+
+    def skip_to_end(self) -> None:
+        """Start after what the file holds now (its last line, if torn, is skipped too)."""
+        try:
+            with open(self.path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - 65536))  # a record is far shorter than this
+                tail = f.read()
+        except FileNotFoundError:
+            return
+        self.offset = size - len(tail) + tail.rfind(b"\n") + 1
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for raw in data[:end].splitlines():
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                continue
+        return out

@@ -216,6 +216,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None) -> dict[s
     from workers.console import QuietRay, Reporter
     from workers.data import check_available
     from workers.recorder import FailureRecorder
+    from workers.tensorboard import BoardWriter
 
     started = time.time()
     run_dir = prepare_run_dir(spec)
@@ -230,7 +231,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None) -> dict[s
         print(notice, flush=True)
     note_lost_driver(run_dir)
     forget_ray_snapshot(run_dir)
-    reporter = Reporter(run_dir, started=started)
+    reporter = Reporter(run_dir, started=started, board=BoardWriter(run_dir))
     events.emit(run_dir, "job_started", pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS"))
     print(f"[train] job {spec.job_id}: {tasks.describe(spec)}, {spec.strategy}, "
           f"{spec.workers if not spec.elastic else f'{spec.workers.min}-{spec.workers.max}'} worker(s); "

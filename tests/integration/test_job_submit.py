@@ -5,8 +5,10 @@ import shutil
 import subprocess
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, last_json_line, recovery_spec, write_spec
+from workers import events
 
 pytestmark = pytest.mark.ray
 
@@ -32,3 +34,7 @@ def test_ray_job_submit_runs_the_same_entrypoint(ray_cluster, tmp_path):
     summary = last_json_line(done.stdout)
     assert summary and summary["status"] == "succeeded" and summary["final_step"] == 10
     assert os.path.exists(os.path.join(summary["run_dir"], "checkpoints", "LATEST"))
+    # The driver wrote TensorBoard's event files as it went: one loss point per logged step.
+    board = EventAccumulator(os.path.join(summary["run_dir"], "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    assert [p.step for p in board.Scalars("loss")] == sorted({m["step"] for m in events.metrics(summary["run_dir"])})

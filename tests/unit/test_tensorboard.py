@@ -1,0 +1,101 @@
+"""workers/tensorboard.py on a hand-written run directory, read back the way TensorBoard
+reads it: one point per step whatever the records repeat, and none again from a
+driver started anew on the same directory."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from workers import events
+from workers.console import Reporter
+from workers.tensorboard import PROGRESS, BoardWriter, board_dir
+
+
+def board(run_dir: str) -> EventAccumulator:
+    acc = EventAccumulator(board_dir(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def points(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]:
+    return [(s.step, round(s.value, 6)) for s in acc.Scalars(tag)]
+
+
+def row(run_dir: str, step: int, **extra) -> None:
+    events.log_metrics(run_dir, step=step, epoch=0, loss=1.0 / step, lr=0.01, samples_per_s=100.0 + step,
+                       attempt=1, **extra)
+
+
+def test_one_point_per_step_across_restarts_and_drivers(tmp_path):
+    run_dir = str(tmp_path)
+    for step in range(1, 7):
+        row(run_dir, step, **({"val_loss": 0.5, "val_accuracy": 0.8, "val_metrics": {"accuracy": 0.8}}
+                               if step == 5 else {}))
+    first = BoardWriter(run_dir)
+    first.poll()
+    # A worker failed after step 6; the attempt resumed from the checkpoint of step 4 and
+    # logs steps 5 and 6 again (the same step, another time) before going on.
+    events.emit(run_dir, "resumed", failed_rank=1, cause="worker process died", from_step=4, lost_steps=2,
+                recovery_s=3.25)
+    for step in range(5, 9):
+        row(run_dir, step)
+    with open(os.path.join(run_dir, events.METRICS), "a") as f:
+        f.write('{"step": 9, "loss": 0.1')  # torn: its writer is still writing it
+    first.close()
+
+    # The service starts the driver again on the same run directory: it reads the files anew.
+    second = BoardWriter(run_dir)
+    with open(os.path.join(run_dir, events.METRICS), "a") as f:
+        f.write(', "lr": 0.01, "samples_per_s": 109.0}\n')
+    row(run_dir, 10, val_loss=0.25, val_metrics={"accuracy": 0.9, "top5": 1.0}, val_accuracy=0.9)
+    events.emit(run_dir, "finished", final_step=10, loss=0.1, val_loss=0.25, val_accuracy=0.9,
+                val_metrics={"accuracy": 0.9, "top5": 1.0})
+    second.close()
+    BoardWriter(run_dir).close()  # nothing new: nothing written, nothing repeated
+
+    acc = board(run_dir)
+    assert [step for step, _ in points(acc, "loss")] == list(range(1, 11))
+    assert points(acc, "loss")[4] == (5, 0.2)  # the first record of step 5 won
+    assert [step for step, _ in points(acc, "lr")] == list(range(1, 11))
+    assert points(acc, "samples_per_s")[-2] == (9, 109.0)
+    assert points(acc, "val/loss") == [(5, 0.5), (10, 0.25)]
+    assert points(acc, "val/accuracy") == [(5, 0.8), (10, 0.9)]
+    assert points(acc, "val/top5") == [(10, 1.0)]
+    assert points(acc, "recovery_s") == [(4, 3.25)]
+    (text,) = acc.Tensors("recoveries/text_summary")
+    said = text.tensor_proto.string_val[0].decode()
+    assert text.step == 4
+    assert "rank 1" in said and "worker process died" in said and "2 step(s)" in said and "3.2s" in said
+    progress = json.load(open(os.path.join(board_dir(run_dir), PROGRESS)))
+    assert progress["last_step"] == 10 and progress["metrics_offset"] == os.path.getsize(
+        os.path.join(run_dir, events.METRICS))
+
+
+def test_the_finished_scores_are_a_point_when_no_line_had_them(tmp_path):
+    run_dir = str(tmp_path)
+    for step in (1, 2, 3):
+        row(run_dir, step)
+    events.emit(run_dir, "finished", final_step=3, loss=0.3, val_loss=0.7, val_accuracy=0.6,
+                val_metrics={"accuracy": 0.6})
+    reporter = Reporter(run_dir, out=io.StringIO(), started=0.0, board=BoardWriter(run_dir))
+    reporter.stop()  # the driver's last poll closes the board
+    acc = board(run_dir)
+    assert points(acc, "val/loss") == [(3, 0.7)] and points(acc, "val/accuracy") == [(3, 0.6)]
+    assert len(points(acc, "loss")) == 3
+
+
+def test_a_board_that_fails_is_said_once_and_the_console_goes_on(tmp_path):
+    class Broken:
+        def poll(self):
+            raise OSError("disk full")
+
+    out = io.StringIO()
+    reporter = Reporter(str(tmp_path), out=out, started=0.0, board=Broken())
+    reporter.poll()
+    reporter.poll()
+    reporter.stop()
+    assert out.getvalue().count("TensorBoard files are no longer written: OSError: disk full") == 1
