@@ -508,6 +508,66 @@ def demo(
     raise typer.Exit(code)
 
 
+@app.command()
+def report(
+    results: Annotated[Path, typer.Option("--results", help="Where the benches wrote their JSON.")] = (
+        ROOT / "bench" / "results"),
+    out: Annotated[Optional[Path], typer.Option("--out", help="Where report.html and its PNGs go "
+                                                "(default: <results>/report).")] = None,
+):
+    """An HTML page with plots of what distribution bought and cost, from the bench results."""
+    from service.report import ReportError, build  # matplotlib only when asked for
+
+    try:
+        path = build(results, out or results / "report")
+    except ReportError as e:
+        _fail(str(e), 2)
+    except OSError as e:
+        _fail(f"cannot write the report: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", 2)
+    console.print(str(path), soft_wrap=True, highlight=False)
+
+
+@app.command()
+def tensorboard(
+    job: Annotated[Optional[str], typer.Argument(help="A job id: only that job's run (default: every job).")] = None,
+    port: Annotated[int, typer.Option(help="Port TensorBoard listens on, on 127.0.0.1.")] = 6006,
+    logdir: Annotated[Optional[Path], typer.Option(
+        "--logdir", help="Directory of the run directories (default: the service's, <data dir>/runs).")] = None,
+    data_dir: DataDirOpt = None,
+):
+    """TensorBoard on the jobs' loss, lr, samples/s, validation scores and recoveries."""
+    import subprocess
+
+    from service.embedded import port_free
+    from workers.tensorboard import board_dir
+
+    if logdir is None:
+        try:
+            logdir = Path(Settings(**({"data_dir": data_dir} if data_dir else {})).runs_dir)
+        except ValueError as e:
+            _fail(f"bad ETRAIN_* setting: {_one_line(e)}")
+    if not logdir.is_dir():
+        _fail(f"no run directories at {logdir} (set --logdir to a job's storage)")
+    target = logdir
+    if job:
+        if not (logdir / job).is_dir():
+            _fail(f"no job {job!r} in {logdir} (see `etrain list`, or set --logdir to the job's storage)")
+        # Its driver writes here from the first step on; TensorBoard picks the files up when they appear.
+        target = Path(board_dir(str(logdir / job)))
+    if not port_free("127.0.0.1", port):
+        _fail(f"port {port} on 127.0.0.1 is in use; choose another with --port")
+    _say(f"TensorBoard on {target}: http://127.0.0.1:{port}/ (Ctrl-C stops it)")
+    # Its own process, this interpreter: the tensorboard installed with elastic-train.
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(target),
+                             "--host", "127.0.0.1", "--port", str(port)])
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        code = proc.wait()
+    raise typer.Exit(0 if code in (0, -signal.SIGTERM) else code)
+
+
 def main() -> None:
     app()
 
