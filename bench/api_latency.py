@@ -25,7 +25,7 @@ raw SQLite commit and fsync costs for reference.
 Timings are reported, never asserted: on a busy machine they are noisy, so the load
 average before and after is printed with them. The exit code is 1 only when a request
 errored (2 when the server would not start). The server process is stopped by its pid at
-the end, also on error.
+the end, also on error. The table goes to --out (a .txt), the same figures as JSON next to it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from common import write_results  # bench/ is sys.path[0] when run as a script
+from common import host, write_json, write_results  # bench/ is sys.path[0] when run as a script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -466,6 +466,26 @@ def report(args, phases: list[Phase], facts: dict[str, Any], parts, load_before,
     return "\n".join(lines) + "\n"
 
 
+def as_data(args, phases: list[Phase], facts: dict[str, Any], parts, load_before, load_after) -> dict:
+    """The table's figures as JSON (bench/results/api_latency.json)."""
+    return {
+        "bench": "api_latency",
+        "quick": False,
+        "host": host(load_before, load_after, packages=("fastapi", "uvicorn", "sqlalchemy", "pydantic")),
+        "load": {"concurrency": args.concurrency, "warmup": args.warmup, "requests": args.requests,
+                 "events": args.events, "metrics": args.metrics},
+        "facts": facts,
+        "rows": [{"call": p.name, "requests": p.n, "errors": p.errors,
+                  "req_per_s": p.n / p.wall_s if p.wall_s else None,
+                  **{f"p{q}_ms": p.pct_ms(q) for q in (50, 90, 99)}, "max_ms": p.pct_ms(100),
+                  "server_cpu_pct": 100 * p.server_cpu_s / p.wall_s if p.wall_s else None,
+                  "server_sys_pct": 100 * p.server_sys_s / p.wall_s if p.wall_s else None,
+                  "client_cpu_pct": 100 * p.client_cpu_s / p.wall_s if p.wall_s else None,
+                  "server_ms_per_request": 1000 * p.server_cpu_s / p.n if p.n else None} for p in phases],
+        "parts": [{"part": label, "median_ms": med, "p90_ms": p90} for label, med, p90 in parts],
+    }
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -525,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         print(text, end="", flush=True)
         write_results(text, os.path.abspath(args.out))
         log(f"written to {os.path.relpath(os.path.abspath(args.out), os.getcwd())}")
+        path = write_json(as_data(args, phases, facts, parts, load_before, load_after), os.path.abspath(args.out))
+        log(f"JSON written to {os.path.relpath(path, os.getcwd())}")
         failed = any(p.errors for p in phases)
         return 1 if failed else 0
     except RuntimeError as e:  # the server would not start, or the setup requests failed

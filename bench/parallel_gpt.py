@@ -8,6 +8,10 @@ checkpoints written in the foreground, once with parallel.async_checkpoint (not 
 which has no background path). Reported per row, all read from the run directories:
 samples/s and speed-up over 1 worker, the share of step time in gloo collectives and
 peak memory per worker (sync run, ETRAIN_PROFILE_STEPS), and checkpoint save times.
+ddp-bf16 is ddp in bf16 autocast: against ddp on as many workers, what mixed precision buys.
+
+The table goes to --out (a .txt), the same rows as JSON next to it (.json), which
+`etrain report` draws.
 
 Timings are reported, never asserted. The exit code is 1 only when a run fails.
 """
@@ -27,7 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from common import finish  # bench/ is sys.path[0] when run as a script
+from common import clean, finish, host  # bench/ is sys.path[0] when run as a script
 from pydantic import ValidationError
 from vs_torchrun import ROOT, Run, _f, log, run_torchrun  # puts the repository root on sys.path
 
@@ -48,7 +52,11 @@ CONFIGS = {
     "dp-tp": ("hybrid", {"tensor": 2}, "dp{d} x tp2"),
     "dp-pp": ("hybrid", {"pipeline": 2}, "dp{d} x pp2"),
     "hsdp": ("hybrid", {"shard": 2}, "rep{d} x shard2"),
+    "ddp-bf16": ("ddp", {}, "dp{w}"),
 }
+# Configurations that train in something other than fp32 (autocast, fp32 weights): ddp-bf16
+# against ddp on the same worker count is what mixed precision buys.
+PRECISION = {"ddp-bf16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,7 @@ def job_spec(size: Size, name: str, workers: int, background: bool, job_id: str,
                   "context": size.context},
         "dataset": {"name": "synthetic_tokens", "size": size.samples, "vocab_size": size.vocab},
         "strategy": strategy,
+        "precision": PRECISION.get(name, "fp32"),
         "parallel": {**degrees, "async_checkpoint": background},
         "workers": workers,
         "resources": {"cpu": 1},
@@ -165,18 +174,22 @@ def line(cells: list[str]) -> str:
     return "  ".join(f"{c:{fmt}}" for c, (_, fmt) in zip(cells, COLUMNS)).rstrip()
 
 
-def report(args, size: Size, results: dict, skipped: dict, load: tuple, wall_s: float) -> str:
+def report(args, size: Size, results: dict, skipped: dict, load: tuple, wall_s: float) -> tuple[str, dict]:
+    """The table, and the same rows as data (bench/results/*.json, read by service/report.py)."""
     torch_version = importlib.metadata.version("torch")
     first, last = size.profile
     ddp1 = (results.get(("ddp", 1)) or {}).get("sync")
-    rows, failed, fallback = [], [], False
+    rows, failed, fallback, data_rows = [], [], False, []
     for name in args.strategies:
         ref, mark = ((results.get((name, 1)) or {}).get("sync"), "") if not why_not(size, name, 1) else (ddp1, "*")
         fallback |= bool(mark)
         for w in args.workers:
             cells = [name, str(w), CONFIGS[name][2].format(w=w, d=w // 2)]
+            row = {"config": name, "strategy": CONFIGS[name][0], "precision": PRECISION.get(name, "fp32"),
+                   "workers": w, "layout": cells[2], "status": "ok"}
             if (name, w) in skipped:
                 rows.append(line(cells[:2] + ["-"] * 9))
+                data_rows.append({**row, "layout": None, "status": "not applicable", "why": skipped[(name, w)]})
                 continue
             if (name, w) not in results:  # interrupted before it ran
                 continue
@@ -186,10 +199,21 @@ def report(args, size: Size, results: dict, skipped: dict, load: tuple, wall_s: 
                     failed.append(f"{name} {w}w {label}: {m['error']} (log {m['log']})")
             if not (sync and sync["ok"]):
                 rows.append(line(cells + ["FAILED"] + ["-"] * 7))
+                data_rows.append({**row, "status": "failed"})
                 continue
             speedup = (f"{sync['rate'] / ref['rate']:.2f}{mark}"
                        if ref and ref.get("ok") and ref["rate"] and sync["rate"] else "-")
             ok_back = back if back and back["ok"] else None
+            data_rows.append({
+                **row, "samples_per_s": sync["rate"],
+                "speedup": sync["rate"] / ref["rate"] if speedup != "-" else None,
+                "speedup_over": ("ddp 1 worker" if mark else f"{name} 1 worker") if speedup != "-" else None,
+                "comm_pct_mean": sync["comm_mean"], "comm_pct_max": sync["comm_max"],
+                "peak_rss_mb": sync["rss"], "ckpt_blocked_sync_s": sync["blocked"],
+                "ckpt_blocked_async_s": ok_back and ok_back["blocked"],
+                "async_save_s": ok_back and ok_back["save"],
+                **({"status": "async failed"} if back and not ok_back else {}),
+            })
             rows.append(line(cells + [
                 _f(sync["rate"]), speedup, _f(sync["comm_mean"], "{:.0f}"), _f(sync["comm_max"], "{:.0f}"),
                 _f(sync["rss"], "{:.0f}"), _f(sync["blocked"], "{:.3f}"),
@@ -206,7 +230,9 @@ def report(args, size: Size, results: dict, skipped: dict, load: tuple, wall_s: 
         + (" -- QUICK MODE, a smoke test: tiny model, figures meaningless" if args.quick else ""),
         f"job: gpt {size.layers} layers, width {size.width}, {size.heads} heads, context {size.context} "
         + f"({params(size) / 1e6:.2f}M params); synthetic_tokens {size.samples} samples, vocab {size.vocab}; "
-        + f"global batch {size.batch}, {size.steps} steps, adam fp32, checkpoint every {size.every}, seed 0",
+        + f"global batch {size.batch}, {size.steps} steps, adam fp32"
+        + "".join(f" ({n}: {p} autocast, fp32 weights)" for n, p in PRECISION.items() if n in args.strategies)
+        + f", checkpoint every {size.every}, seed 0",
         f"host: {platform.node()}, {cores} cores, python {platform.python_version()}, torch {torch_version}; "
         + f"load avg {load[0]:.2f} before, {load[1]:.2f} after; {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; "
         + f"bench wall time {wall_s / 60:.1f} min",
@@ -245,7 +271,18 @@ def report(args, size: Size, results: dict, skipped: dict, load: tuple, wall_s: 
              for key, body in footnotes]
     if failed:
         text += ["", "FAILED runs:", *failed]
-    return "\n".join(text) + "\n"
+    data = {
+        "bench": "parallel_gpt",
+        "quick": bool(args.quick),
+        "host": {**host([load[0]], [load[1]]), "wall_s": round(wall_s, 1)},
+        "job": {**size.__dict__, "profile": list(size.profile), "params": params(size), "optimizer": "adam"},
+        "oversubscribed": most > cores,
+        "note": note if most > cores else None,
+        "footnotes": dict(footnotes),
+        "rows": [{k: clean(v) for k, v in r.items()} for r in data_rows],
+        "failed": failed,
+    }
+    return "\n".join(text) + "\n", data
 
 
 # --------------------------------------------------------------------------- main
@@ -260,7 +297,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"configurations, of {', '.join(CONFIGS)}")
     p.add_argument("--timeout", type=float, default=600, help="seconds before a run is killed")
     p.add_argument("--keep", action="store_true", help="keep the run directories (kept anyway when a run fails)")
-    p.add_argument("--out", help=f"where the table is written (None: {os.path.relpath(RESULTS, ROOT)}, "
+    p.add_argument("--out", help="where the table is written, its JSON next to it "
+                                 f"(None: {os.path.relpath(RESULTS, ROOT)}, "
                                  f"{os.path.relpath(QUICK_RESULTS, ROOT)} with --quick)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every run's output")
     args = p.parse_args(argv)
@@ -311,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         good = False
         log("interrupted; reporting what finished")
-    text = report(args, size, results, skipped, (load_before, os.getloadavg()[0]), time.monotonic() - started)
-    return finish(text, args.out, workdir, keep=args.keep, good=good)
+    text, data = report(args, size, results, skipped, (load_before, os.getloadavg()[0]), time.monotonic() - started)
+    return finish(text, args.out, workdir, keep=args.keep, good=good, data=data)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Reported: steady-state samples/s (attempt 1, after --warmup steps; median of the
 rate, and the rate over the summed step time and over the wall-clock span), their ratio,
 recovery seconds after the crash (failure -> next completed step, from the `resumed`
 event, split into failure -> group restarted -> first step), steps recomputed, and
-whether each recovered run ends with the same weights as its undisturbed twin.
+whether each recovered run ends with the same weights as its undisturbed twin. The table
+goes to --out (a .txt), the same figures as JSON next to it (.json), which `etrain report` draws.
 
 Timings are reported, never asserted: on a busy machine they are noisy. The exit code is
 1 only when a run fails or a recovered run's weights differ from its undisturbed twin.
@@ -49,7 +50,7 @@ from workers import events  # noqa: E402  (light: no torch, no ray)
 from workers.run import prepare_run_dir, summarize  # noqa: E402
 from workers.spec import JobSpec, absolute_paths  # noqa: E402
 
-from common import finish  # bench/ is sys.path[0] when run as a script
+from common import clean, finish, host  # bench/ is sys.path[0] when run as a script
 
 WORKER = os.path.join(ROOT, "bench", "torchrun_worker.py")
 RESULTS = os.path.join(ROOT, "bench", "results", "vs_torchrun.txt")
@@ -289,7 +290,8 @@ def _ratio(a: Any, b: Any) -> str:
 
 
 def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tuple[list[float], list[float]],
-           versions: dict[str, str]) -> tuple[str, bool]:
+           versions: dict[str, str]) -> tuple[str, bool, dict]:
+    """The table, whether every run passed, and the same figures as data (for service/report.py)."""
     thr = {s: throughput(runs[(s, False)], args.warmup, args.batch) if (s, False) in runs else None for s in SYSTEMS}
     rec = {s: recovery(runs[(s, True)]) if (s, True) in runs else None for s in SYSTEMS}
     sha = {(s, c): digest(r) for (s, c), r in runs.items()}
@@ -348,7 +350,33 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
         good &= r.ok
         extra = f"; {'; '.join(r.notes)}" if r.notes else ""
         lines.append(f"{r.name:<15} {status:<8} sha256 {sha.get((s, c)) or '-'}{extra}")
-    return "\n".join(lines) + "\n", good
+    systems = {}
+    for s in SYSTEMS:
+        if not any((s, c) in runs for c in (False, True)):
+            continue
+        systems[s] = {
+            "throughput": thr[s],
+            "startup_s": startup_s(runs[(s, False)]) if (s, False) in runs else None,
+            "wall_undisturbed_s": wall.get((s, False)),
+            "wall_crash_s": wall.get((s, True)),
+            # "exact": resumed from the newest committed checkpoint, weights bit-identical to the
+            # undisturbed run. A "live" recovery mode, once there is one, adds rows of its own.
+            "recovery": [{"mode": "exact", **rec[s]}] if rec[s] else [],
+            "recovered_equals_undisturbed": same[s],
+            "ok": all(runs[(s, c)].ok for c in (False, True) if (s, c) in runs),
+        }
+    data = {
+        "bench": "vs_torchrun",
+        "quick": False,
+        "host": host(load[0], load[1], packages=("torch", "ray")),
+        "job": {"model": "simple_cnn", "dataset_size": args.dataset_size, "workers": args.workers, "cpu": args.cpu,
+                "batch": args.batch, "steps": args.steps, "checkpoint_every": args.checkpoint_every,
+                "crash_step": args.crash_step, "warmup": args.warmup, "seed": args.seed},
+        "systems": {s: {k: ({kk: clean(vv) for kk, vv in v.items()} if isinstance(v, dict) else v)
+                        for k, v in d.items()} for s, d in systems.items()},
+        "same_weights_across_systems": bool(a and a == b) if a and b else None,
+    }
+    return "\n".join(lines) + "\n", good, data
 
 
 # --------------------------------------------------------------------------- main
@@ -372,7 +400,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds before a run is killed")
     p.add_argument("--workdir", help="storage root for the runs (None: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the run directories (kept anyway when a run fails)")
-    p.add_argument("--out", default=RESULTS, help="where the table is written")
+    p.add_argument("--out", default=RESULTS, help="where the table is written, its JSON next to it")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every run's output")
     args = p.parse_args(argv)
     if args.workers < 2:
@@ -418,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(tail.rstrip() + "\n", flush=True)
     except KeyboardInterrupt:
         log("interrupted; reporting what finished")
-    text, good = report(args, runs, (load_before, list(os.getloadavg())), versions)
-    return finish(text, args.out, workdir, keep=args.keep, good=good)
+    text, good, data = report(args, runs, (load_before, list(os.getloadavg())), versions)
+    return finish(text, args.out, workdir, keep=args.keep, good=good, data=data)
 
 
 if __name__ == "__main__":
