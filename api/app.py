@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api.deps import UNAUTHORIZED, token_ok
-from api.routes import cluster, code, health, jobs
+from api.routes import cluster, code, health, jobs, ui
 from service import ledger
 from service.admission import CodeOff, Rejected
 from service.gateway import Gateway, GatewayError, RayGateway
@@ -130,7 +130,8 @@ def create_app(settings: Settings, gateway: Gateway | None = None, *, reconcile:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    app = FastAPI(title="elastic-train", version="0.1.0", lifespan=lifespan,
+    # docs_url/redoc_url off: api.routes.ui serves /docs from vendored files, so it works offline
+    app = FastAPI(title="elastic-train", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Submit and watch distributed PyTorch training jobs on Ray.")
     app.state.settings = settings
     app.state.token, _ = ensure_token(settings)
@@ -139,8 +140,9 @@ def create_app(settings: Settings, gateway: Gateway | None = None, *, reconcile:
     app.state.metrics = metrics
     app.state.reconciler = reconciler
     app.state.capacity = _capacity_probe(gateway)
-    for router in (jobs.router, code.router, cluster.router, health.router):
+    for router in (jobs.router, code.router, cluster.router, health.router, ui.router):
         app.include_router(router)
+    app.mount("/static", ui.static_files(), name="static")
 
     @app.middleware("http")
     async def time_requests(request: Request, call_next):

@@ -10,7 +10,6 @@ from importlib.metadata import version
 
 import pytest
 import typer
-import uvicorn
 from typer.testing import CliRunner
 
 from api.app import create_app
@@ -20,27 +19,10 @@ from service.lifecycle import JobState
 from service.settings import Settings
 from tests.conftest import free_port
 from tests.fakes import FakeGateway
+from tests.helpers.threaded_server import Server
 from workers import events
 
 TOKEN = "cli-token"
-
-
-class Server:
-    """A real uvicorn server on a port, in a thread; stop() and start again on the same port."""
-
-    def __init__(self, application, port: int):
-        self.app, self.port = application, port
-        self.srv = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.srv.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.srv.started:
-            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.srv.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture
