@@ -4,7 +4,6 @@ fsdp with the task's fsdp_units, and with a bug in the user's loss."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys

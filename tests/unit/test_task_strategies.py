@@ -22,7 +22,7 @@ def seq_job(tmp_path, job_id, **fields) -> JobSpec:
 @pytest.mark.parametrize("strategy", ["pipeline", "tensor"])
 def test_a_users_split_hooks_train_like_one_process_and_resume_exactly(tmp_path, strategy):
     split = {"strategy": strategy, "parallel": {"microbatches": 2}}
-    one = run_ranks(seq_job(tmp_path, "one", workers=1), 1, str(tmp_path / "store-one"))
+    run_ranks(seq_job(tmp_path, "one", workers=1), 1, str(tmp_path / "store-one"))  # its final weights, below
     twin = run_ranks(seq_job(tmp_path, "twin", **split), 2, str(tmp_path / "store-twin"))
     faulty = seq_job(tmp_path, "faulty", **split, faults=[{"at_step": 8, "rank": 1, "kind": "exception"}])
     with pytest.raises(RuntimeError, match="InjectedFault"):
