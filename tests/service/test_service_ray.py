@@ -44,26 +44,6 @@ def test_http_job_succeeds_shows_in_ray_and_serves_logs(api, ray_cluster):
         assert c.post("/v1/jobs/http-ok/cancel").status_code == 409
 
 
-def test_fault_through_api_recovers(api):
-    with api.client() as c:
-        c.post("/v1/jobs", json=small_job("api-fault", steps=400, size=4096)).raise_for_status()
-        seen: list[str] = []
-        wait_for(c, "api-fault", {"FAILED", "SUCCEEDED"}, seen=seen,
-                 until=lambda j: j["progress"]["phase"] == "training" and j["progress"]["step"] >= 15)
-        r = c.post("/v1/jobs/api-fault/faults", json={"rank": 1})
-        assert r.status_code == 202, r.text
-        job = wait_for(c, "api-fault", {"SUCCEEDED", "FAILED"}, seen=seen)
-        assert job["state"] == "SUCCEEDED", job
-        i = seen.index("RECOVERING")
-        assert "RUNNING" in seen[i:], seen
-        assert seen[-1] == "SUCCEEDED"
-        resumed = [e for e in c.get("/v1/jobs/api-fault/events").json()["data"] if e["event"] == "resumed"]
-        assert len(resumed) == 1 and resumed[0]["failed_rank"] == 1 and resumed[0]["lost_steps"] <= 10
-        assert job["restarts"] == 1
-        metrics = c.get("/metrics").text
-        assert 'etrain_jobs{state="SUCCEEDED"}' in metrics and "etrain_recovery_seconds_count 1.0" in metrics
-
-
 def test_api_killed_and_restarted_keeps_the_job(ray_cluster, tmp_path):
     api = start_api(ray_cluster, tmp_path)
     try:

@@ -205,6 +205,9 @@ def test_watch_a_job_recover_from_a_killed_worker(api, page):
             break
         time.sleep(1)
     assert "Killed rank 1" in page.tab.inner_text("#action-message")
+    # The ledger's RECOVERING (set by the reconciler) lasts the ~10 s of the restart; the page polls every 2 s.
+    page.tab.wait_for_function("document.querySelector('#job-state').textContent.includes('RECOVERING')",
+                               timeout=60_000)
 
     page.tab.wait_for_selector("#timeline .ev-resumed", timeout=90_000)
     assert "rank 1" in page.tab.inner_text("#timeline .ev-resumed")
@@ -217,7 +220,11 @@ def test_watch_a_job_recover_from_a_killed_worker(api, page):
                                timeout=120_000)
     with api.client() as c:
         job = wait_for(c, "web-fault", {"SUCCEEDED", "FAILED"}, timeout=10)
+        resumed = [e for e in c.get("/v1/jobs/web-fault/events").json()["data"] if e["event"] == "resumed"]
+        metrics = c.get("/metrics").text
     assert job["state"] == "SUCCEEDED" and job["restarts"] == 1, job
+    assert len(resumed) == 1 and resumed[0]["failed_rank"] == 1 and resumed[0]["lost_steps"] <= 10, resumed
+    assert 'etrain_jobs{state="SUCCEEDED"}' in metrics and "etrain_recovery_seconds_count 1.0" in metrics
     page.tab.wait_for_selector("#timeline .ev-finished")
     assert page.number("#chart-loss") >= 700
     assert page.number("#chart-val") >= 8  # validation at steps 100, 200, ... 800, from the workers
