@@ -1,22 +1,53 @@
 """The durable job ledger: SQLAlchemy 2 tables and keyword-only repository functions.
 
-SQLite (WAL) by default, PostgreSQL through DATABASE_URL. A job row is committed before
-the API answers 201, so an acknowledged job survives any crash of the service.
+SQLite (WAL) by default, PostgreSQL (psycopg 3) through DATABASE_URL. A job row is
+committed before the API answers 201, so an acknowledged job survives any crash of the
+service. The schema is owned by the Alembic revisions in service/migrations, applied by
+`open_ledger`; the model below must match their head.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Boolean, Float, Integer, String, Text, create_engine, event, func, select
-from sqlalchemy.engine import Engine
+from alembic import command
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy import (
+    Boolean,
+    Float,
+    Integer,
+    String,
+    Text,
+    create_engine,
+    delete,
+    event,
+    false,
+    func,
+    inspect,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from service import lifecycle
 from service.lifecycle import JobState
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+BASELINE = "0001"  # the schema release 0.1 made with create_all, before Alembic
+# Any fixed 64-bit key: every process opening one PostgreSQL ledger takes the same lock.
+_MIGRATION_LOCK = 0x65747261696E  # "etrain"
+_CAS_TRIES = 5
+# Alembic's command API keeps its context in module globals: one migration at a time per
+# process, whichever ledgers they are for.
+_alembic_lock = threading.Lock()
 
 
 class Base(DeclarativeBase):
@@ -40,10 +71,19 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[float] = mapped_column(Float, index=True)
     updated_at: Mapped[float] = mapped_column(Float)
+    # Revision 0002.
+    summary: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON, kept by the reconciler
+    summary_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    pending_submission: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    waiting_since: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     @property
     def spec_dict(self) -> dict[str, Any]:
         return json.loads(self.spec)
+
+    @property
+    def summary_dict(self) -> dict[str, Any] | None:
+        return json.loads(self.summary) if self.summary else None
 
 
 class DuplicateJob(ValueError):
@@ -54,13 +94,60 @@ class KeyReused(ValueError):
     """The Idempotency-Key was used before for a different request body."""
 
 
+class Conflict(ValueError):
+    """An update's `expect` did not hold: another writer changed the job first."""
+
+    def __init__(self, job_id: str, fields: dict[str, Any]):
+        super().__init__(f"job {job_id!r} changed concurrently: expected "
+                         + ", ".join(f"{k}={v!r}" for k, v in fields.items()))
+        self.job_id, self.fields = job_id, fields
+
+
+def engine_url(url: str | URL) -> URL:
+    """`postgresql://` (and `postgres://`) mean psycopg 3, the driver we ship."""
+    u = make_url(url)
+    return u.set(drivername="postgresql+psycopg") if u.drivername in ("postgresql", "postgres") else u
+
+
 def open_ledger(url: str) -> sessionmaker[Session]:
-    engine = create_engine(url, **({"connect_args": {"timeout": 30, "check_same_thread": False}}
-                                   if url.startswith("sqlite") else {"pool_pre_ping": True}))
-    if url.startswith("sqlite"):
+    u = engine_url(url)
+    sqlite = u.get_backend_name() == "sqlite"
+    engine = create_engine(u, **({"connect_args": {"timeout": 30, "check_same_thread": False}}
+                                 if sqlite else {"pool_pre_ping": True}))
+    if sqlite:
         event.listen(engine, "connect", _sqlite_pragmas)
-    Base.metadata.create_all(engine)
+    upgrade(engine)
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def upgrade(engine: Engine) -> None:
+    """Bring the schema to head in one transaction, serialised against other processes
+    opening the same ledger: a PostgreSQL advisory lock, released when the transaction
+    ends, or SQLite's write lock taken up front (BEGIN IMMEDIATE; pysqlite would otherwise
+    run the DDL outside any transaction)."""
+    with _alembic_lock, engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
+        elif conn.dialect.name == "sqlite":
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        config = _alembic_config(conn)
+        tables = inspect(conn).get_table_names()  # after the lock: what the previous holder left
+        if "jobs" in tables and "alembic_version" not in tables:
+            command.stamp(config, BASELINE)  # a ledger made by create_all, before Alembic
+        command.upgrade(config, "head")
+
+
+def _alembic_config(conn: Connection | None) -> Config:
+    # No alembic.ini: an installed service finds its revisions next to this module.
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("path_separator", "os")
+    config.attributes["connection"] = conn
+    return config
+
+
+def head_revision() -> str:
+    return ScriptDirectory.from_config(_alembic_config(None)).get_current_head()
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -137,20 +224,53 @@ def count_by_state(sessions: sessionmaker[Session]) -> dict[str, int]:
 
 
 def update_job(sessions: sessionmaker[Session], *, job_id: str, state: JobState | None = None,
-               **fields: Any) -> Job:
+               expect: dict[str, Any] | None = None, **fields: Any) -> Job:
     """Change a job's fields, and its state only along a legal transition (IllegalTransition
-    otherwise). The row is locked for the change so concurrent updaters serialise."""
+    otherwise). With `expect`, only if those columns hold those values now (Conflict
+    otherwise): how a caller claims a change another process may be making too.
+
+    A compare-and-set, not a row lock: SQLite ignores FOR UPDATE, so two updaters could
+    both pass the transition check on the same read. The UPDATE applies only if the state
+    is still the one checked; if another writer got there first, read and check again."""
+    expect = expect or {}
+    for _ in range(_CAS_TRIES):
+        with sessions() as s, s.begin():
+            job = s.get(Job, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            differing = {k: v for k, v in expect.items() if getattr(job, k) != v}
+            if differing:
+                raise Conflict(job_id, differing)
+            values = {**fields, "updated_at": time.time()}
+            if state is not None:
+                lifecycle.check(JobState(job.state), state)
+                values["state"] = state.value
+            guard = [Job.id == job_id, Job.state == job.state, *(getattr(Job, k) == v for k, v in expect.items())]
+            changed = s.execute(update(Job).where(*guard).values(values)
+                                .execution_options(synchronize_session=False)).rowcount
+            if changed:
+                s.refresh(job)
+                return job
+    raise Conflict(job_id, {"state": job.state, **expect})  # kept losing to other writers
+
+
+def delete_job(sessions: sessionmaker[Session], *, job_id: str) -> bool:
+    """Remove a job's row; False if there was none."""
     with sessions() as s, s.begin():
-        job = s.scalar(select(Job).where(Job.id == job_id).with_for_update())
-        if job is None:
-            raise KeyError(job_id)
-        if state is not None:
-            lifecycle.check(JobState(job.state), state)
-            job.state = state.value
-        for name, value in fields.items():
-            setattr(job, name, value)
-        job.updated_at = time.time()
-    return job
+        return s.execute(delete(Job).where(Job.id == job_id)).rowcount > 0
+
+
+def save_summary(sessions: sessionmaker[Session], *, job_id: str, summary: dict[str, Any],
+                 restarts: int | None = None) -> bool:
+    """Keep the reconciler's latest summary of a job. Not a state change, so updated_at
+    (which times how long a job sits in its state) stays; a job deleted meanwhile is no
+    error (False)."""
+    values: dict[str, Any] = {"summary": json.dumps(summary), "summary_at": time.time()}
+    if restarts is not None:
+        values["restarts"] = restarts
+    with sessions() as s, s.begin():
+        return s.execute(update(Job).where(Job.id == job_id).values(values)
+                         .execution_options(synchronize_session=False)).rowcount > 0
 
 
 def ping(sessions: sessionmaker[Session]) -> None:

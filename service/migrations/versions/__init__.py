@@ -1,0 +1,1 @@
+# A package so setuptools ships the revisions; Alembic itself skips __init__.py.
