@@ -62,17 +62,36 @@ def admit(spec: JobSpec, settings: Settings, capacity: dict[str, Any] | None) ->
                            f"dataset.{field} must be an absolute path inside one of: {', '.join(roots)}; "
                            "to allow another directory, start the service with `etrain serve --dataset-root DIR` "
                            "(or set ETRAIN_DATASET_ROOTS)")
-    if capacity is not None:
-        cpus, gpus = capacity.get("cpus", {}).get("total", 0), capacity.get("gpus", {}).get("total", 0)
-        # An elastic job starts once its minimum fits.
-        need_cpu, need_gpu = spec.min_workers * spec.resources.cpu, spec.min_workers * spec.resources.gpu
-        if need_cpu > cpus or need_gpu > gpus:
-            raise Rejected(("body", "workers"),
-                           f"{spec.min_workers} workers need {need_cpu:g} CPUs and {need_gpu:g} GPUs; the cluster "
-                           f"has {cpus:g} CPUs and {gpus:g} GPUs in all, so this job could never start")
+    if capacity is not None and not settings.autoscaling and (why := never_fits(spec, capacity)):
+        raise Rejected(("body", "workers"), why)
     admitted = spec.model_copy(update={"storage": settings.runs_dir})
     check_task(admitted, settings)
     return admitted
+
+
+def never_fits(spec: JobSpec, capacity: dict[str, Any]) -> str | None:
+    """Why the cluster could never place the job's workers, or None. Each worker is one
+    bundle (CPUs, GPUs, custom resources) that must fit on one node; an elastic job starts
+    once its minimum fits. `capacity["node_resources"]`: each live node's total resources."""
+    need = {"CPU": spec.resources.cpu, "GPU": spec.resources.gpu, **spec.resources.custom}
+    need = {k: v for k, v in need.items() if v > 0}
+    nodes = capacity.get("node_resources")
+    if nodes is None:  # only totals known: at least the sum must fit
+        nodes = [{"CPU": capacity.get("cpus", {}).get("total", 0), "GPU": capacity.get("gpus", {}).get("total", 0)}]
+    # Capped per node: a tiny request against a big node is "as many as asked", not infinity.
+    fits = sum(min(spec.min_workers, int(min(node.get(k, 0) / v for k, v in need.items()) + 1e-9)) if
+               all(node.get(k, 0) >= v for k, v in need.items()) else 0 for node in nodes)
+    if fits >= spec.min_workers:
+        return None
+    def amounts(res: dict[str, float], times: int = 1) -> str:
+        return ", ".join(f"{res.get(k, 0) * times:g} {_NAMES.get(k, k)}" for k in need)
+
+    offers = "; ".join(amounts(node) for node in nodes) or "no live node"
+    return (f"{spec.min_workers} workers need {amounts(need, spec.min_workers)} in all, {amounts(need)} per worker "
+            f"on one node; the cluster's nodes ({offers}) hold {fits} of them, so this job could never start")
+
+
+_NAMES = {"CPU": "CPUs", "GPU": "GPUs"}
 
 
 def check_task(spec: JobSpec, settings: Settings) -> None:

@@ -46,6 +46,10 @@ class Settings(BaseSettings):
     ray_num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded Ray head.")
     reconcile_interval_s: float = Field(1.0, gt=0, le=3600)
     max_resubmits: int = Field(3, ge=0, le=100, description="Resubmissions of a job whose Ray driver died.")
+    autoscaling: bool = Field(
+        False, description="The Ray cluster adds nodes on demand (KubeRay's autoscaler): admission does not refuse "
+        "a job for want of nodes that are not up yet.",
+    )
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
     python: str | None = Field(None, description="Interpreter for job entrypoints; this one when unset.")
     dataset_roots: Annotated[list[Path], NoDecode] = Field(
