@@ -17,7 +17,7 @@ from api.routes import cluster, code, health, jobs, ui
 from service import ledger
 from service.admission import CodeOff, Rejected
 from service.gateway import Gateway, GatewayError, RayGateway
-from service.jobs import NotRunning, RunDirTaken
+from service.jobs import NotRunning, RunDirTaken, StillActive
 from service.lifecycle import IllegalTransition
 from service.metrics import ServiceMetrics
 from service.reconciler import Reconciler
@@ -139,6 +139,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None, *, reconcile:
     app.state.gateway = gateway
     app.state.metrics = metrics
     app.state.reconciler = reconciler
+    app.state.reconciling = reconcile
     app.state.capacity = _capacity_probe(gateway)
     for router in (jobs.router, code.router, cluster.router, health.router, ui.router):
         app.include_router(router)
@@ -188,6 +189,7 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ledger.KeyReused)
     @app.exception_handler(NotRunning)
     @app.exception_handler(RunDirTaken)
+    @app.exception_handler(StillActive)
     async def conflict(_: Request, exc: Exception):
         return reply(409, str(exc))
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import time
 from typing import Any
 
@@ -13,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import code, ledger, rundir
 from service.gateway import Gateway, GatewayError
-from service.lifecycle import IllegalTransition, JobState
+from service.lifecycle import TERMINAL, IllegalTransition, JobState
 from service.settings import Settings
 from workers import events
 from workers.spec import JobSpec, write_spec_json
@@ -21,6 +22,10 @@ from workers.spec import JobSpec, write_spec_json
 
 class NotRunning(ValueError):
     """The job has no live worker to act on."""
+
+
+class StillActive(ValueError):
+    """The job may still run: it cannot be deleted yet."""
 
 
 class RunDirTaken(ValueError):
@@ -82,35 +87,78 @@ def create(sessions: sessionmaker[Session], settings: Settings, spec: JobSpec, *
                              submission_id=submission_name(spec.job_id, 1))
 
 
-def submit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, job: ledger.Job,
-           *, resubmit: bool = False) -> ledger.Job:
-    """Hand a job to Ray. The submission id is recorded before Ray is asked, and Ray
-    refuses a second job with the same id, so a crash at any point never starts two.
-    A job whose run directory holds another spec fails here and never reaches Ray."""
+def _prepared(sessions: sessionmaker[Session], settings: Settings, job: ledger.Job) -> dict[str, Any] | None:
+    """What Ray is handed for a job: its spec.json and code archive. None, with the job
+    FAILED, when either cannot be: a run directory holding another spec, a lost archive."""
     spec = JobSpec.model_validate(job.spec_dict)
     try:
         path = write_spec(settings, spec)
     except RunDirTaken as e:
-        return ledger.update_job(sessions, job_id=job.id, state=JobState.FAILED, error=str(e))
+        ledger.update_job(sessions, job_id=job.id, state=JobState.FAILED, error=str(e))
+        return None
     # A resubmitted job runs the very code it was accepted with: the spec keeps the
     # archive's id, and archives are never replaced (their name is their digest).
     archive = code.stored(settings, spec.code) if spec.code else None
     if spec.code and archive is None:
-        return ledger.update_job(sessions, job_id=job.id, state=JobState.FAILED,
-                                 error=f"code archive {spec.code} is no longer stored under {code.code_dir(settings)}")
-    if resubmit or not job.submission_id:
-        n = job.submissions + 1
-        extra = {"resubmits": job.resubmits + 1, "resubmitted_at": time.time()} if resubmit else {}
-        job = ledger.update_job(sessions, job_id=job.id, submission_id=submission_name(job.id, n), submissions=n, **extra)
-    gateway.submit(submission_id=job.submission_id, spec_path=path, job_id=job.id,
-                   code_path=str(archive) if archive else None, requirements=spec.requirements)
-    target = JobState.RECOVERING if resubmit else JobState.SUBMITTED
+        ledger.update_job(sessions, job_id=job.id, state=JobState.FAILED,
+                          error=f"code archive {spec.code} is no longer stored under {code.code_dir(settings)}")
+        return None
+    return {"spec_path": path, "job_id": job.id, "code_path": str(archive) if archive else None,
+            "requirements": spec.requirements}
+
+
+def submit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, job: ledger.Job) -> ledger.Job:
+    """Hand a QUEUED job to Ray. Its submission id was fixed when it was created and Ray
+    refuses a second job with one id, so replicas and retries never start two."""
+    prepared = _prepared(sessions, settings, job)
+    if prepared is None:
+        return ledger.get_job(sessions, job_id=job.id)
+    if not job.submission_id:  # a row from before ids were fixed at creation
+        job = ledger.update_job(sessions, job_id=job.id, submission_id=submission_name(job.id, 1), submissions=1,
+                                expect={"submission_id": None})
+    gateway.submit(submission_id=job.submission_id, **prepared)  # GatewayError: it stays QUEUED
     try:
-        return ledger.update_job(sessions, job_id=job.id, state=target)
+        return ledger.update_job(sessions, job_id=job.id, state=JobState.SUBMITTED, waiting_since=time.time())
     except IllegalTransition:
         # Cancelled while Ray was taking it: Ray must not run it.
         gateway.stop(job.submission_id)
         raise
+
+
+def resubmit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, job: ledger.Job) -> ledger.Job:
+    """Run a job whose driver was lost again; it resumes from its newest checkpoint.
+
+    The next submission id is claimed in the ledger first, by a compare-and-set on the
+    submission count (the job's fencing token): of several replicas that saw the same loss
+    one claims it, and none does once a cancel is recorded (ledger.Conflict)."""
+    n = job.submissions
+    job = ledger.update_job(sessions, job_id=job.id, state=JobState.RECOVERING, submission_id=submission_name(job.id, n + 1),
+                            submissions=n + 1, pending_submission=True, resubmitted_at=time.time(),
+                            expect={"submissions": n, "cancel_requested": False})
+    return send(sessions, settings, gateway, job)
+
+
+def send(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, job: ledger.Job) -> ledger.Job:
+    """Hand a claimed submission to Ray; a refusal (GatewayError) leaves it claimed, to be
+    sent again with the same id, and spends none of the job's resubmission budget."""
+    prepared = _prepared(sessions, settings, job)
+    if prepared is None:
+        return ledger.get_job(sessions, job_id=job.id)
+    gateway.submit(submission_id=job.submission_id, **prepared)
+    return accepted(sessions, gateway, job)
+
+
+def accepted(sessions: sessionmaker[Session], gateway: Gateway, job: ledger.Job) -> ledger.Job:
+    """Ray holds the claimed submission: count it. A cancel recorded meanwhile wins."""
+    try:
+        job = ledger.update_job(sessions, job_id=job.id, resubmits=job.resubmits + 1, pending_submission=False,
+                                waiting_since=time.time(),
+                                expect={"submissions": job.submissions, "pending_submission": True})
+    except ledger.Conflict:  # counted already (another replica), or superseded
+        return ledger.get_job(sessions, job_id=job.id)
+    if job.cancel_requested:
+        gateway.stop(job.submission_id)
+    return job
 
 
 def try_submit(sessions, settings, gateway, job: ledger.Job) -> ledger.Job:
@@ -137,7 +185,29 @@ def cancel(sessions: sessionmaker[Session], gateway: Gateway, job: ledger.Job) -
     return job
 
 
-FINISHING = "finishing"  # the workers are done; Ray has not ended the job yet
+def view(sessions: sessionmaker[Session], settings: Settings, job: ledger.Job) -> dict[str, Any]:
+    """A job's summary as the reconciler last kept it in the ledger: a job view reads no
+    run record. Only a job the reconciler has not seen yet (just accepted, or ended before
+    the ledger kept summaries) is read from its run record; an ended one is kept then."""
+    info = job.summary_dict
+    if info is not None:
+        return info
+    info = rundir.summary(rundir.run_dir(settings.runs_dir, job.id))
+    if JobState(job.state) in TERMINAL:
+        ledger.save_summary(sessions, job_id=job.id, summary=info)
+    return info
+
+
+def delete(sessions: sessionmaker[Session], settings: Settings, job: ledger.Job) -> None:
+    """Remove an ended job and its run record; StillActive while it may still run."""
+    state = JobState(job.state)
+    if state not in TERMINAL:
+        raise StillActive(f"job {job.id} is {job.state}: cancel it and wait until it has ended before deleting it")
+    ledger.delete_job(sessions, job_id=job.id)
+    shutil.rmtree(rundir.run_dir(settings.runs_dir, job.id), ignore_errors=True)
+
+
+FINISHING = rundir.FINISHING
 PHASES = ("queued", rundir.STARTING, rundir.TRAINING, rundir.RECOVERING, FINISHING, rundir.FINISHED, rundir.FAILED,
           "cancelled")
 

@@ -2,92 +2,147 @@
 
 Stateless between ticks: everything it needs is in the ledger, Ray's job table and the
 run directory, so after an API restart the next tick simply picks up where things are.
+Each tick observes a job, asks service.decide what to do, and does it; every change to
+a job's row is a compare-and-set, so any number of API replicas may reconcile one ledger.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import jobs, ledger, rundir
+from service import decide, jobs, ledger, rundir
+from service.decide import Action, Do, Seen
 from service.gateway import Gateway, GatewayError
 from service.lifecycle import IllegalTransition, JobState
 from service.settings import Settings
 
 log = logging.getLogger("etrain.reconciler")
 
-# Phases of a live Ray job to its state: RUNNING only once a worker of the newest
-# attempt has completed a step; while starting, the state stays as it is.
-_LIVE = {rundir.TRAINING: JobState.RUNNING, rundir.RECOVERING: JobState.RECOVERING}
-QUEUED_GRACE_S = 2.0  # leave a fresh job to the request that created it
+QUEUED_GRACE_S = decide.QUEUED_GRACE_S
+MAX_BACKOFF_S = 30.0
+
+
+class Health:
+    """Whether ticks complete, for /readyz: a reconciler that keeps failing (the database
+    down) or hangs (a call that never returns) must not look ready."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self.last_ok: float | None = None
+        self.failing_since: float | None = None
+        self.error: str | None = None
+
+    def ok(self) -> None:
+        self.last_ok, self.failing_since, self.error = time.time(), None, None
+
+    def failed(self, e: BaseException) -> None:
+        self.failing_since = self.failing_since or time.time()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        self.error = f"{type(e).__name__}: {first}"[:300]
+
+    def problem(self, now: float | None = None) -> str | None:
+        now = now or time.time()
+        if self.failing_since is not None:
+            return f"ticks failing for {now - self.failing_since:.0f}s: {self.error}"
+        if self.last_ok is not None and now - self.last_ok > max(60.0, 20 * self.interval_s):
+            return f"no tick completed for {now - self.last_ok:.0f}s"
+        return None
 
 
 class Reconciler:
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, metrics=None):
         self.sessions, self.settings, self.gateway, self.metrics = sessions, settings, gateway, metrics
+        self.health = Health(settings.reconcile_interval_s)
 
     def tick(self) -> None:
         for job in ledger.active_jobs(self.sessions):
             try:
                 self.reconcile(job)
-            except (GatewayError, IllegalTransition) as e:
+            except (GatewayError, IllegalTransition, ledger.Conflict) as e:
                 log.warning("job %s: %s", job.id, e)
             except Exception:
                 log.exception("job %s: reconcile failed", job.id)
 
-    def reconcile(self, job: ledger.Job) -> None:
+    def reconcile(self, job: ledger.Job) -> Action:
+        seen, info = self.observe(job)
+        action = decide.decide(seen)
+        self.carry_out(job, action, info)
+        return action
+
+    def observe(self, job: ledger.Job) -> tuple[Seen, dict | None]:
         state = JobState(job.state)
-        if state == JobState.QUEUED and not job.cancel_requested:  # cancelled: never start it; stop it below
-            if time.time() - job.updated_at > QUEUED_GRACE_S:
-                jobs.submit(self.sessions, self.settings, self.gateway, job)
-            return
-        rd = rundir.run_dir(self.settings.runs_dir, job.id)
-        status = self.gateway.status(job.submission_id)
-        info = rundir.summary(rd)
+        now = time.time()
+        if state == JobState.QUEUED and not job.cancel_requested:  # nothing to ask of Ray or storage yet
+            return Seen(state=state, idle_s=now - job.updated_at), None
+        status = self.gateway.status(job.submission_id) if job.submission_id else None
+        info = rundir.summary(rundir.run_dir(self.settings.runs_dir, job.id))
         if self.metrics is not None:
             self.metrics.observe_job(job.id, info)
-        update = {"restarts": info["restarts"]}
         phase = jobs.phase(job, info)
-        finished = phase in (rundir.FINISHED, jobs.FINISHING)
+        starting = phase == rundir.STARTING and job.waiting_since is not None
+        timeout = (job.spec_dict.get("resources") or {}).get("scheduling_timeout_s")
+        return Seen(state=state, cancel_requested=job.cancel_requested, ray_status=status, phase=phase,
+                    pending_submission=job.pending_submission, resubmits=job.resubmits,
+                    max_resubmits=self.settings.max_resubmits, idle_s=now - job.updated_at,
+                    waiting_s=now - job.waiting_since if starting else None, scheduling_timeout_s=timeout,
+                    run_error=(info.get("error") or {}).get("message"),
+                    restarts_changed=job.restarts != info["restarts"]), info
 
-        if job.cancel_requested:
-            if status in ("PENDING", "RUNNING"):
+    def carry_out(self, job: ledger.Job, action: Action, info: dict | None) -> None:
+        fields = {"restarts": info["restarts"]} if info is not None else {}
+        if info is not None and info["phase"] != rundir.STARTING and job.waiting_since is not None:
+            fields["waiting_since"] = None  # a worker has stepped: it no longer waits for resources
+        match action.do:
+            case Do.NOTHING:
+                pass
+            case Do.SUBMIT:
+                jobs.submit(self.sessions, self.settings, self.gateway, job)
+            case Do.RESUBMIT:
+                log.warning("job %s: Ray job %s ended without a verdict; resubmitting", job.id, job.submission_id)
+                jobs.resubmit(self.sessions, self.settings, self.gateway, job)
+            case Do.RETRY_SUBMIT:
+                jobs.send(self.sessions, self.settings, self.gateway, job)
+            case Do.CONFIRM:
+                jobs.accepted(self.sessions, self.gateway, job)
+            case Do.STOP:
                 self.gateway.stop(job.submission_id)
-            else:
-                target = JobState.SUCCEEDED if finished else JobState.CANCELLED
-                self._set(job, target, **update)
-            return
-        if status in ("PENDING", "RUNNING"):
-            target = _LIVE.get(phase)
-            if target is not None and (target != state):
-                self._set(job, target, **update)
-            elif job.restarts != info["restarts"]:
-                ledger.update_job(self.sessions, job_id=job.id, **update)
-            return
-        # The Ray job has ended (or Ray no longer knows it).
-        if finished:
-            self._set(job, JobState.SUCCEEDED, **update)
-        elif phase == rundir.FAILED:
-            self._set(job, JobState.FAILED, error=(info.get("error") or {}).get("message"), **update)
-        elif job.resubmits < self.settings.max_resubmits:
-            # The driver died without a verdict: run it again; it resumes from its checkpoint.
-            log.warning("job %s: Ray job %s ended %s without a verdict; resubmitting", job.id, job.submission_id, status)
-            if state != JobState.RECOVERING:
-                self._set(job, JobState.RECOVERING, **update)
-            jobs.submit(self.sessions, self.settings, self.gateway, ledger.get_job(self.sessions, job_id=job.id),
-                        resubmit=True)
-        else:
-            self._set(job, JobState.FAILED, error=f"the job's Ray driver was lost {job.resubmits + 1} times "
-                      f"(last Ray status {status}); giving up", **update)
+                if action.state is not None:
+                    self._set(job, action.state, error=action.error, **fields)
+            case Do.SET_STATE:
+                extra = {"error": action.error} if action.error else {}
+                self._set(job, action.state, **extra, **fields)
+            case Do.SYNC:
+                ledger.update_job(self.sessions, job_id=job.id, **fields)
+        if info is not None:
+            self._keep_summary(job, info)
+
+    def _keep_summary(self, job: ledger.Job, info: dict) -> None:
+        """The job's view, kept in the ledger: GET /v1/jobs reads no run record."""
+        if job.summary_dict != json.loads(json.dumps(info, default=str)):
+            ledger.save_summary(self.sessions, job_id=job.id, summary=info)
 
     def _set(self, job: ledger.Job, target: JobState, **fields) -> None:
-        ledger.update_job(self.sessions, job_id=job.id, state=target, **fields)
+        # Compare-and-set on what this tick saw: a cancel recorded since wins over it.
+        expect = {"cancel_requested": False} if not job.cancel_requested else None
+        ledger.update_job(self.sessions, job_id=job.id, state=target, expect=expect, **fields)
         log.info("job %s: %s -> %s", job.id, job.state, target.value)
 
     async def run_forever(self) -> None:
+        """Tick until cancelled. A failing tick (the ledger or Ray down) is logged and
+        retried with a growing pause; nothing ends the loop but its cancellation."""
+        interval = delay = self.settings.reconcile_interval_s
         while True:
-            await asyncio.to_thread(self.tick)
-            await asyncio.sleep(self.settings.reconcile_interval_s)
+            try:
+                await asyncio.to_thread(self.tick)
+                self.health.ok()
+                delay = interval
+            except Exception as e:
+                self.health.failed(e)
+                log.error("reconciler tick failed (retrying in %.0fs): %s", delay, self.health.error)
+                delay = min(delay * 2, MAX_BACKOFF_S)
+            await asyncio.sleep(delay)

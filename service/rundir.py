@@ -57,6 +57,7 @@ def current_run(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # What a job is doing, from its run record (JobPublic.progress.phase adds the ledger's view).
 STARTING, TRAINING, RECOVERING, FINISHED, FAILED = "starting", "training", "recovering", "finished", "failed"
+FINISHING = "finishing"  # the service's view: the workers are done; Ray has not ended the job yet
 
 
 def last_step_at(history: list[dict[str, Any]], latest: dict[str, Any] | None) -> float | None:
@@ -187,3 +188,16 @@ def live_ranks(history: list[dict[str, Any]]) -> list[int]:
     started = [e for e in current_run(history) if e["event"] == "worker_started"]
     attempt = max((e.get("attempt", 0) for e in started), default=None)
     return sorted({e["rank"] for e in started if e.get("attempt", 0) == attempt})
+
+
+def driver_output(rd: str) -> str | None:
+    """Every driver's output, oldest first, each under a header line; None when the run
+    record holds none (a run from before drivers kept theirs)."""
+    files = events.driver_logs(rd)
+    if not files:
+        return None
+    parts = []
+    for i, path in enumerate(files, 1):
+        with open(path, errors="replace") as f:
+            parts.append(f"===== driver {i} of {len(files)} ({os.path.basename(path)}) =====\n{f.read()}")
+    return "".join(p if p.endswith("\n") else p + "\n" for p in parts)

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 EVENTS = "events.jsonl"
 METRICS = "metrics.jsonl"
+DRIVER_LOGS = "logs"  # each driver's whole output, one file per driver (workers.run.tee_output)
 
 
 def append(path: str, record: dict[str, Any], *, durable: bool = False) -> None:
@@ -94,3 +95,13 @@ class Tail:
             except ValueError:
                 continue
         return out
+
+
+def driver_logs(rd: str) -> list[str]:
+    """The run record's driver output files, oldest first (their names start with the UTC
+    time the driver started)."""
+    folder = os.path.join(rd, DRIVER_LOGS)
+    try:
+        return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".log")]
+    except FileNotFoundError:
+        return []

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from typing import Any
@@ -77,6 +79,27 @@ def prepare_run_dir(spec: JobSpec) -> str:
             return spec.run_dir
     write_spec_json(spec)
     return spec.run_dir
+
+
+def tee_output(run_dir: str) -> str | None:
+    """Copy this driver's whole output (its own lines, Ray's, the workers' forwarded ones)
+    into the run record too: Ray keeps a job's logs only while its head lives, and the
+    service shows each driver of a resubmitted job. `tee` runs in a session of its own, so
+    a stop of the driver's process group leaves it to write the driver's last lines, and it
+    ends when the driver's end closes the pipe (no Python thread would outlive a SIGKILL)."""
+    tee = shutil.which("tee")
+    if tee is None:
+        return None
+    os.makedirs(os.path.join(run_dir, events.DRIVER_LOGS), exist_ok=True)
+    path = os.path.join(run_dir, events.DRIVER_LOGS,
+                        f"driver-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}.log")
+    for stream in (sys.stdout, sys.stderr):  # one tee each: stdout and stderr stay apart
+        stream.flush()
+        fd = stream.fileno()
+        proc = subprocess.Popen([tee, "-a", "-i", path], stdin=subprocess.PIPE, stdout=fd, start_new_session=True)
+        os.dup2(proc.stdin.fileno(), fd)
+        proc.stdin.close()
+    return path
 
 
 def note_lost_driver(run_dir: str) -> None:
@@ -207,8 +230,9 @@ def _ray_init(spec: JobSpec, verbose: bool, code: str | None = None) -> None:
              dashboard_host="127.0.0.1", dashboard_port=port, log_to_driver=verbose, runtime_env=runtime_env, **quiet)
 
 
-def run(spec: JobSpec, verbose: bool = False, code: str | None = None) -> dict[str, Any]:
-    """`code`: the directory the task is imported from, shipped to every worker."""
+def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool = False) -> dict[str, Any]:
+    """`code`: the directory the task is imported from, shipped to every worker; `tee`:
+    copy this process's output into the run record (the entrypoint does)."""
     ray_token.ensure()  # before Ray is imported: it reads RAY_AUTH_MODE once, at import
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -220,6 +244,8 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None) -> dict[s
 
     started = time.time()
     run_dir = prepare_run_dir(spec)
+    if tee:
+        tee_output(run_dir)
     from workers import check, tasks
 
     # Before Ray starts: a task that cannot run as the spec asks is refused, not retried.
@@ -307,7 +333,9 @@ def _one_line(e: Exception) -> str:
     return str(e)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, tee: bool = False) -> int:
+    """`tee`: copy this process's output into the run record (only as the entrypoint,
+    whose stdout and stderr are its own to redirect)."""
     parser = argparse.ArgumentParser(prog="python -m workers.run", description=__doc__)
     parser.add_argument("spec", help="job spec file, YAML or JSON")
     parser.add_argument("--storage", help="override the spec's storage root")
@@ -331,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: invalid spec {args.spec}: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_SPEC
     try:
-        summary = run(spec, args.verbose, code)
+        summary = run(spec, args.verbose, code, tee=tee)
     except Exception as e:  # a clear line, not a traceback, for what stops a job before training
         from workers.data import DatasetUnavailable
 
@@ -351,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    code = main(tee=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # Ray is shut down and every record is fsynced; tearing down torch's and Ray's

@@ -111,6 +111,11 @@ class ResourcesSpec(_Part):
         default_factory=dict, max_length=16,
         description="Ray custom resources per worker, e.g. {'trainer_node': 1} to run only on nodes that offer it.",
     )
+    scheduling_timeout_s: float | None = Field(
+        None, gt=0, le=7 * 86400,
+        description="The service fails the job when no worker has completed a step this long after Ray accepted it "
+        "(the cluster fits the job but has not given it its resources); unset: wait for ever.",
+    )
 
 
 class TrainingSpec(_Part):

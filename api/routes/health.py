@@ -16,15 +16,20 @@ def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(sessions: LedgerDep, gateway: GatewayDep):
-    """The ledger and Ray are reachable."""
+async def readyz(request: Request, sessions: LedgerDep, gateway: GatewayDep):
+    """Ready when the ledger and Ray answer and the reconciler's ticks complete; each
+    check says why when it is not."""
     checks = {}
     for name, probe in (("ledger", lambda: ledger.ping(sessions)), ("ray", gateway.ping)):
         try:
             await run_in_threadpool(probe)
             checks[name] = "ok"
-        except Exception as e:  # any failure means not ready; say which
-            checks[name] = f"unavailable: {type(e).__name__}"
+        except Exception as e:  # any failure means not ready; say which and why
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            checks[name] = f"unavailable: {type(e).__name__}: {first}"[:300]
+    if request.app.state.reconciling:
+        problem = request.app.state.reconciler.health.problem()
+        checks["reconciler"] = f"unavailable: {problem}" if problem else "ok"
     ready = all(v == "ok" for v in checks.values())
     return JSONResponse({"ready": ready, **checks}, status_code=200 if ready else 503)
 

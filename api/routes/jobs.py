@@ -20,8 +20,8 @@ from workers.spec import JobSpec
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[AuthDep])
 
 
-def to_public(job: ledger.Job, settings, gateway) -> JobPublic:
-    info = rundir.summary(rundir.run_dir(settings.runs_dir, job.id))
+def to_public(job: ledger.Job, settings, gateway, sessions) -> JobPublic:
+    info = jobs.view(sessions, settings, job)
     return JobPublic(
         id=job.id, state=job.state, attempts=info["attempts"], restarts=info["restarts"], resubmits=job.resubmits,
         steps_recomputed=info["steps_recomputed"], recovery_s=info["recovery_s"],
@@ -57,7 +57,7 @@ def create_job(
         job = jobs.try_submit(sessions, settings, gateway, job)
     else:
         response.status_code = status.HTTP_200_OK
-    return to_public(job, settings, gateway)
+    return to_public(job, settings, gateway, sessions)
 
 
 @router.get("", response_model=JobsPublic)
@@ -69,31 +69,42 @@ def list_jobs(
 ) -> JobsPublic:
     """Jobs, newest first."""
     rows, count = ledger.list_jobs(sessions, state=state, limit=limit, offset=offset)
-    return JobsPublic(data=[to_public(j, settings, gateway) for j in rows], count=count)
+    return JobsPublic(data=[to_public(j, settings, gateway, sessions) for j in rows], count=count)
 
 
 @router.get("/{job_id}", response_model=JobPublic)
 def get_job(job_id: str, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep) -> JobPublic:
-    return to_public(_get(sessions, job_id), settings, gateway)
+    return to_public(_get(sessions, job_id), settings, gateway, sessions)
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
 def cancel_job(job_id: str, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep) -> JobPublic:
     """Stop a job. 409 when it has already ended."""
     job = jobs.cancel(sessions, gateway, _get(sessions, job_id))
-    return to_public(job, settings, gateway)
+    return to_public(job, settings, gateway, sessions)
+
+
+@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_job(job_id: str, sessions: LedgerDep, settings: SettingsDep) -> Response:
+    """Remove a finished job: its ledger row and its run record. 409 while it runs."""
+    jobs.delete(sessions, settings, _get(sessions, job_id))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.get("/{job_id}/logs", response_class=PlainTextResponse)
 async def job_logs(
-    job_id: str, sessions: LedgerDep, gateway: GatewayDep,
+    job_id: str, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
     follow: Annotated[bool, Query(description="Stream new output until the job ends.")] = False,
 ):
-    """The Ray job's driver output (workers' output included)."""
+    """The job's output: every driver's (workers' output included), oldest first, from the
+    run record; with follow, the current driver's live from Ray."""
     job = await run_in_threadpool(_get, sessions, job_id)
     if not job.submission_id:
         return PlainTextResponse("")
     if not follow:
+        kept = await run_in_threadpool(rundir.driver_output, rundir.run_dir(settings.runs_dir, job_id))
+        if kept is not None:  # every driver's output, kept in the run record
+            return PlainTextResponse(kept)
         return PlainTextResponse(await run_in_threadpool(gateway.logs, job.submission_id))
 
     async def stream():

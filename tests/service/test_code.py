@@ -252,12 +252,11 @@ def test_a_job_with_code_reaches_ray_with_its_archive(client, app, settings, gat
     assert sent["code_path"] == str(code.code_dir(settings) / f"{code_id}.zip")
     assert sent["requirements"] == ["numpy"]
     # The driver is lost: the resubmission runs the very same code.
-    job = jobs.submit(app.state.ledger, settings, gateway, ledger.get_job(app.state.ledger, job_id="with-code"),
-                      resubmit=True)
+    job = jobs.resubmit(app.state.ledger, settings, gateway, ledger.get_job(app.state.ledger, job_id="with-code"))
     assert gateway.submitted[job.submission_id]["code_path"] == sent["code_path"]
     # An archive gone from the store fails the job, saying so, rather than retrying without it.
     os.unlink(sent["code_path"])
-    job = jobs.submit(app.state.ledger, settings, gateway, job, resubmit=True)
+    job = jobs.resubmit(app.state.ledger, settings, gateway, job)
     assert job.state == JobState.FAILED.value and f"code archive {code_id} is no longer stored" in job.error
 
 

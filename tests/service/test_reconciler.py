@@ -4,11 +4,15 @@ the events the workers would write decide each job's state (DESIGN.md invariants
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.exc import OperationalError
 
-from service import ledger, reconciler, rundir
+from api.app import create_app
+from service import jobs, ledger, reconciler, rundir
 from service.gateway import GatewayError
 from service.settings import Settings
 from tests.fakes import FakeGateway
@@ -178,7 +182,7 @@ def test_ray_failed_with_failed_event_is_failed_with_the_error(client, app, sett
     assert "ValueError: bad shape" in public["error"]["traceback"]
 
 
-@pytest.mark.parametrize("lost_status", ["FAILED", "STOPPED", None])
+@pytest.mark.parametrize("lost_status", ["FAILED", None])
 @pytest.mark.parametrize("was", ["SUBMITTED", "RUNNING"])
 def test_lost_driver_is_resubmitted_and_recovers(client, app, settings, gateway, lost_status, was):
     first = submit(client, "e")
@@ -409,3 +413,135 @@ def test_phase_during_a_back_off_is_recovering_and_says_so():
     assert rundir.phase(history, metric(3)) == "recovering"
     assert rundir.recovery_note(history, metric(3)) == ("a failure of rank 1 (hung); its workers are being restarted, "
                                                         "after a back-off of 8s (repeated failures at one step)")
+
+
+def test_a_job_stopped_through_ray_itself_is_cancelled_not_resubmitted(client, app, settings, gateway):
+    submit(client, "v")
+    run = rd(settings, "v")
+    events.emit(run, "attempt_started", attempt=1, total_steps=20)
+    step(run)
+    set_ray(gateway, "v", "RUNNING")
+    tick(app)
+    set_ray(gateway, "v", "STOPPED")  # `ray job stop`, not the service
+    tick(app)
+    stopped = job(app, "v")
+    assert stopped.state == "CANCELLED" and "stopped through Ray" in stopped.error
+    assert list(gateway.submitted) == ["etrain-v-1"]
+
+
+def test_a_resubmission_ray_refuses_spends_no_budget_and_is_sent_again(client, app, settings, gateway):
+    submit(client, "w")
+    rd(settings, "w")
+    set_ray(gateway, "w", "FAILED")  # the driver is lost ...
+    gateway.down = True  # ... and Ray refuses submissions (its head is restarting)
+    for _ in range(MAX_RESUBMITS + 3):
+        tick(app)
+    claimed = job(app, "w")
+    assert claimed.state == "RECOVERING" and claimed.pending_submission
+    assert claimed.submission_id == "etrain-w-2" and claimed.resubmits == 0  # one id claimed, none spent
+    gateway.down = False
+    tick(app)
+    sent = job(app, "w")
+    assert list(gateway.submitted) == ["etrain-w-1", "etrain-w-2"]
+    assert sent.resubmits == 1 and not sent.pending_submission and sent.state == "RECOVERING"
+
+
+def test_a_resubmission_whose_answer_was_lost_is_counted_once(client, app, settings, gateway):
+    submit(client, "x")
+    rd(settings, "x")
+    set_ray(gateway, "x", "FAILED")
+    gateway.down = True
+    tick(app)
+    # Ray took etrain-x-2 after all (the answer timed out): the next tick counts it, once.
+    gateway.down = False
+    gateway.submitted["etrain-x-2"] = {"spec_path": "", "job_id": "x"}
+    gateway.statuses["etrain-x-2"] = "PENDING"
+    tick(app)
+    tick(app)
+    assert job(app, "x").resubmits == 1 and not job(app, "x").pending_submission
+    assert list(gateway.submitted) == ["etrain-x-1", "etrain-x-2"]
+
+
+def test_cancel_wins_over_a_resubmission_claimed_by_another_replica(client, app, settings, gateway):
+    submit(client, "y")
+    rd(settings, "y")
+    set_ray(gateway, "y", "FAILED")
+    seen = job(app, "y")  # a replica saw the lost driver ...
+    assert client.post("/v1/jobs/y/cancel").status_code == 200  # ... then the cancel landed
+    with pytest.raises(ledger.Conflict):
+        jobs.resubmit(app.state.ledger, settings, gateway, seen)
+    assert list(gateway.submitted) == ["etrain-y-1"]  # never sent
+    tick(app)
+    assert job(app, "y").state == "CANCELLED"
+
+
+def test_two_replicas_that_see_one_lost_driver_start_one_new_driver(client, app, settings, gateway):
+    submit(client, "z")
+    rd(settings, "z")
+    set_ray(gateway, "z", "FAILED")
+    seen = job(app, "z")
+    jobs.resubmit(app.state.ledger, settings, gateway, seen)  # replica A
+    with pytest.raises(ledger.Conflict):
+        jobs.resubmit(app.state.ledger, settings, gateway, seen)  # replica B, on what it read before
+    assert list(gateway.submitted) == ["etrain-z-1", "etrain-z-2"] and job(app, "z").resubmits == 1
+
+
+def test_a_cancel_after_the_claim_stops_the_new_driver_once_ray_has_it(client, app, settings, gateway):
+    submit(client, "c2")
+    rd(settings, "c2")
+    set_ray(gateway, "c2", "FAILED")
+    gateway.down = True
+    tick(app)  # claimed etrain-c2-2; Ray refused it
+    assert client.post("/v1/jobs/c2/cancel").status_code == 200
+    gateway.down = False
+    claimed = job(app, "c2")
+    jobs.send(app.state.ledger, settings, gateway, claimed)  # a replica that claimed it sends it now
+    assert "etrain-c2-2" in gateway.stopped  # the cancel recorded meanwhile wins at once
+    tick(app)
+    assert job(app, "c2").state == "CANCELLED"
+
+
+def test_the_job_view_is_read_from_the_ledger_not_the_run_record(client, app, settings, gateway):
+    submit(client, "view")
+    run = rd(settings, "view")
+    set_ray(gateway, "view", "RUNNING")
+    events.emit(run, "attempt_started", attempt=1, total_steps=20)
+    step(run, 7)
+    tick(app)
+    shutil.rmtree(run)  # storage out of reach: the view is the reconciler's copy
+    public = client.get("/v1/jobs/view").json()
+    assert public["progress"]["step"] == 7 and public["progress"]["phase"] == "training"
+    assert client.get("/v1/jobs").json()["data"][0]["progress"]["step"] == 7
+
+
+def test_a_failing_tick_is_retried_and_readyz_says_why(settings, gateway, monkeypatch):
+    import asyncio
+
+    app = create_app(settings, gateway, reconcile=False)  # its loop is driven here
+    app.state.reconciling = True
+    rec = app.state.reconciler
+    calls = []
+
+    def broken(_sessions):
+        calls.append(1)
+        if len(calls) < 3:
+            raise OperationalError("SELECT", {}, Exception("the database is down"))
+        return []
+
+    monkeypatch.setattr(ledger, "active_jobs", broken)
+    monkeypatch.setattr(reconciler, "MAX_BACKOFF_S", 0.05)
+    settings.reconcile_interval_s = 0.01
+
+    async def run_until(n: int) -> None:
+        task = asyncio.create_task(rec.run_forever())
+        while len(calls) < n:
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(run_until(2))
+    assert "the database is down" in rec.health.problem()
+    with TestClient(app, headers=AUTH) as client:
+        r = client.get("/readyz")
+        assert r.status_code == 503 and "the database is down" in r.json()["reconciler"]
+    asyncio.run(run_until(4))  # the loop outlived the failures and ticks again
+    assert rec.health.problem() is None
