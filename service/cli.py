@@ -187,8 +187,9 @@ def serve(
         _fail(f"bad setting: {_one_line(e)}")
     finally:
         if head:
-            _say("stopping the local Ray head ...")
-            head[0].stop()
+            if head[0].owned:
+                _say("stopping the local Ray head ...")
+            head[0].stop()  # the head it started or adopted, all of it, and its record
 
 
 def _serve(data_dir, host, port, ray_port, dashboard_port, num_cpus, dataset_roots, head: list) -> None:
@@ -196,7 +197,7 @@ def _serve(data_dir, host, port, ray_port, dashboard_port, num_cpus, dataset_roo
     from sqlalchemy.exc import SQLAlchemyError
 
     from api.app import create_app
-    from service.embedded import EmbeddedRay, port_free
+    from service.embedded import HEAD_RECORD, EmbeddedRay, port_free
     from workers import ray_token
 
     overrides = {k: v for k, v in {"data_dir": data_dir, "host": host, "port": port}.items() if v is not None}
@@ -212,19 +213,22 @@ def _serve(data_dir, host, port, ray_port, dashboard_port, num_cpus, dataset_roo
     # machine that never ran Ray has no token, and `ray start` refuses to start without one.
     ray_token.ensure()
     if not settings.ray_address:
+        # The head is this data directory's: recorded in it, so a run after a crash adopts
+        # the head the crashed one left (its jobs go on) rather than lose it or mistake
+        # another Ray on the same ports for it; stopping the service stops it.
         node = EmbeddedRay(gcs_port=ray_port, dashboard_port=dashboard_port,
-                           num_cpus=num_cpus or settings.ray_num_cpus, log_path=str(settings.data_dir / "ray-head.log"))
-        _say(f"starting a local Ray head (dashboard {node.dashboard_url}) ...")
+                           num_cpus=num_cpus or settings.ray_num_cpus, log_path=str(settings.data_dir / "ray-head.log"),
+                           record_path=settings.data_dir / HEAD_RECORD, say=_say)
         head.append(node)
-        node.start()
+        node.start()  # says whether it starts a head or adopts one
         settings = settings.model_copy(update={"ray_address": node.gcs_address, "dashboard_url": node.dashboard_url})
     try:
         application = create_app(settings)
     except SQLAlchemyError as e:
         _fail(f"cannot open the ledger at {settings.db_url.split('@')[-1]}: {_one_line(e.orig or e)}")
-    application.state.gateway.connect()
-    # ray.init installed a native SIGTERM handler that exits at once: put ours back
-    # (uvicorn restores it after its graceful shutdown, then re-raises the signal).
+    # The API talks to Ray over HTTP only (never a Ray driver): nothing to connect here.
+    # SIGTERM stops us like Ctrl-C (uvicorn restores it after its graceful shutdown, then
+    # re-raises the signal).
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     token_file = settings.data_dir / "token"
@@ -471,6 +475,16 @@ def logs(job_id: str, follow: Annotated[bool, typer.Option("--follow", "-f")] = 
             for chunk in response.iter_text():
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
+
+
+@app.command()
+def delete(job_id: str, url: UrlOpt = "http://127.0.0.1:8000", data_dir: DataDirOpt = None):
+    """Remove an ended job and its run record (checkpoints, metrics, logs)."""
+    with _client(url, data_dir) as client:
+        response = client.delete(f"/v1/jobs/{job_id}")
+        if response.status_code != 204:
+            _call(response)
+    console.print(f"job {job_id}: deleted")
 
 
 @app.command()

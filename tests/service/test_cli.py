@@ -83,6 +83,13 @@ def test_submit_list_status_logs_fault_cancel(server, tmp_path):
     assert cancelled.exit_code == 0 and "cancel requested" in cancelled.output
     assert gateway.stopped == ["etrain-cli-job-1"]
 
+    running = run(cli, ["delete", "cli-job"])
+    assert running.exit_code == 1 and "409: job cli-job is RUNNING: cancel it and wait" in running.output
+    ledger.update_job(sessions, job_id="cli-job", state=JobState.CANCELLED)
+    deleted = run(cli, ["delete", "cli-job"])
+    assert deleted.exit_code == 0 and "job cli-job: deleted" in deleted.output, deleted.output
+    assert not (data_dir / "runs" / "cli-job").exists() and run(cli, ["status", "cli-job"]).exit_code == 1
+
 
 def test_status_is_a_short_summary(server):
     _, _, data_dir = server
