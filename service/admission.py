@@ -78,9 +78,7 @@ def never_fits(spec: JobSpec, capacity: dict[str, Any]) -> str | None:
     nodes = capacity.get("node_resources")
     if nodes is None:  # only totals known: at least the sum must fit
         nodes = [{"CPU": capacity.get("cpus", {}).get("total", 0), "GPU": capacity.get("gpus", {}).get("total", 0)}]
-    # Capped per node: a tiny request against a big node is "as many as asked", not infinity.
-    fits = sum(min(spec.min_workers, int(min(node.get(k, 0) / v for k, v in need.items()) + 1e-9)) if
-               all(node.get(k, 0) >= v for k, v in need.items()) else 0 for node in nodes)
+    fits = sum(_workers_on(node, need, spec.min_workers) for node in nodes)
     if fits >= spec.min_workers:
         return None
     def amounts(res: dict[str, float], times: int = 1) -> str:
@@ -92,6 +90,13 @@ def never_fits(spec: JobSpec, capacity: dict[str, Any]) -> str | None:
 
 
 _NAMES = {"CPU": "CPUs", "GPU": "GPUs"}
+
+
+def _workers_on(node: dict[str, float], need: dict[str, float], cap: int) -> int:
+    """How many workers of shape `need` one node holds, at most `cap` (a tiny request on a
+    big node divides to infinity, which no int holds)."""
+    share = min(node.get(k, 0) / v for k, v in need.items())
+    return int(min(share, cap) + 1e-9)
 
 
 def check_task(spec: JobSpec, settings: Settings) -> None:

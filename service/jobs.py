@@ -257,7 +257,8 @@ def inject_fault(settings: Settings, gateway: Gateway, job: ledger.Job, rank: in
         raise NotRunning(f"job {job.id} has no worker of rank {rank} in its current attempt "
                          f"(ranks running: {', '.join(map(str, rundir.live_ranks(history))) or 'none'})")
     try:
-        gateway.kill_process(pid=where["pid"], node_id=where.get("node_id"))
+        gateway.kill_process(pid=where["pid"], node_id=where.get("node_id"), submission_id=job.submission_id,
+                             job_id=job.id)
     except ProcessLookupError as e:
         raise NotRunning(f"worker {rank} of job {job.id} has already exited; the job is recovering") from e
     return {"job_id": job.id, "rank": rank, "pid": where["pid"], "node_id": where.get("node_id")}

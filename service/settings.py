@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     ray_num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded Ray head.")
     reconcile_interval_s: float = Field(1.0, gt=0, le=3600)
     max_resubmits: int = Field(3, ge=0, le=100, description="Resubmissions of a job whose Ray driver died.")
+    ray_timeout_s: float = Field(5.0, gt=0, le=600, description="Limit of one call to Ray's HTTP APIs.")
+    ray_long_timeout_s: float = Field(30.0, gt=0, le=3600,
+                                      description="Limit of reading a job's whole log or uploading a code archive.")
+    ray_kill_timeout_s: float = Field(60.0, gt=0, le=3600,
+                                      description="Limit of a fault's kill job: placed on the worker's node, run, ended.")
     autoscaling: bool = Field(
         False, description="The Ray cluster adds nodes on demand (KubeRay's autoscaler): admission does not refuse "
         "a job for want of nodes that are not up yet.",

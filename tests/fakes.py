@@ -38,7 +38,8 @@ class FakeGateway:
         self.stopped.append(submission_id)
         self.statuses[submission_id] = "STOPPED"
 
-    def kill_process(self, *, pid: int, node_id: str | None) -> None:
+    def kill_process(self, *, pid: int, node_id: str | None, submission_id: str | None = None,
+                     job_id: str | None = None) -> None:
         self.killed.append((pid, node_id))
 
     def cluster(self) -> dict[str, Any]:

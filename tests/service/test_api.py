@@ -429,7 +429,7 @@ def test_fault_never_kills_a_pid_of_an_earlier_attempt_or_driver(client, app, se
 
 def test_fault_on_a_worker_that_already_exited_is_409(settings):
     class Gone(FakeGateway):
-        def kill_process(self, *, pid, node_id):
+        def kill_process(self, *, pid, node_id, **_):
             raise ProcessLookupError(pid)
 
     with TestClient(create_app(settings, Gone(), reconcile=False), headers=AUTH) as client:

@@ -17,6 +17,7 @@ from workers.spec import JobSpec
     (dict(workers=2, resources={"custom": {"trainer": 1}}), [{"CPU": 4, "trainer": 2}, {"CPU": 4}], True),
     (dict(workers={"min": 2, "max": 8}), [{"CPU": 2}], True),  # an elastic job starts at its minimum
     (dict(workers=1), [], False),
+    (dict(workers=3, resources={"cpu": 1e-300}), [{"CPU": 8}], True),  # divides to infinity: capped, no overflow
 ])
 def test_per_node_fit(spec, nodes, fits):
     why = never_fits(JobSpec(**spec), {"node_resources": nodes})
