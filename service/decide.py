@@ -44,6 +44,7 @@ class Seen:
     resubmits: int = 0                 # resubmissions Ray accepted
     max_resubmits: int = 3
     idle_s: float = 0.0                # since the ledger row last changed
+    room: bool = True                  # fewer jobs on Ray than ETRAIN_MAX_ACTIVE_JOBS
     waiting_s: float | None = None     # since Ray accepted it, while no worker has completed a step
     scheduling_timeout_s: float | None = None
     run_error: str | None = None       # the run record's failure message
@@ -63,7 +64,7 @@ NOTHING = Action(Do.NOTHING)
 def decide(seen: Seen) -> Action:
     if seen.state == JobState.QUEUED and not seen.cancel_requested:
         # Never started: submit once the creating request had its chance to.
-        return Action(Do.SUBMIT) if seen.idle_s > QUEUED_GRACE_S else NOTHING
+        return Action(Do.SUBMIT) if seen.idle_s > QUEUED_GRACE_S and seen.room else NOTHING
     live = seen.ray_status in LIVE
     finished = seen.phase in (rundir.FINISHED, rundir.FINISHING)
     if seen.cancel_requested:

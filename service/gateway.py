@@ -52,6 +52,7 @@ class Gateway(Protocol):
     def submit(self, *, submission_id: str, spec_path: str, job_id: str, code_path: str | None = None,
                requirements: Sequence[str] = ()) -> None: ...
     def status(self, submission_id: str) -> str | None: ...
+    def job_statuses(self) -> dict[str, str]: ...
     def logs(self, submission_id: str) -> str: ...
     def tail_logs(self, submission_id: str) -> AsyncIterator[str]: ...
     def stop(self, submission_id: str) -> None: ...
@@ -322,6 +323,12 @@ class RayGateway:
     def status(self, submission_id: str) -> str | None:
         info = self.client.job_info(submission_id)
         return None if info is None else str(info.get("status"))
+
+    def job_statuses(self) -> dict[str, str]:
+        """Every job Ray holds, submission id to status, in one call: a reconciler tick asks
+        once, not once per job (the dashboard serves every caller from one process)."""
+        return {row["submission_id"]: str(row.get("status")) for row in self.client.list_jobs()
+                if row.get("submission_id")}
 
     def logs(self, submission_id: str) -> str:
         text = self.client.job_logs(submission_id)

@@ -162,7 +162,13 @@ def accepted(sessions: sessionmaker[Session], gateway: Gateway, job: ledger.Job)
 
 
 def try_submit(sessions, settings, gateway, job: ledger.Job) -> ledger.Job:
-    """Submit now if Ray takes it; otherwise the job stays QUEUED for the reconciler."""
+    """Submit now if Ray takes it and ETRAIN_MAX_ACTIVE_JOBS leaves room (replicas racing
+    may pass it by one or two); otherwise the job stays QUEUED for the reconciler."""
+    if settings.max_active_jobs is not None:
+        counts = ledger.count_by_state(sessions)
+        on_ray = sum(counts[s.value] for s in (JobState.SUBMITTED, JobState.RUNNING, JobState.RECOVERING))
+        if on_ray >= settings.max_active_jobs or counts[JobState.QUEUED.value] > 1:
+            return job  # no room, or older jobs wait: the reconciler hands them over oldest first
     try:
         return submit(sessions, settings, gateway, job)
     except (GatewayError, IllegalTransition):

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service import decide, jobs, ledger, rundir
 from service.decide import Action, Do, Seen
 from service.gateway import Gateway, GatewayError
-from service.lifecycle import IllegalTransition, JobState
+from service.lifecycle import TERMINAL, IllegalTransition, JobState
 from service.settings import Settings
 
 log = logging.getLogger("etrain.reconciler")
@@ -58,28 +58,49 @@ class Reconciler:
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, metrics=None):
         self.sessions, self.settings, self.gateway, self.metrics = sessions, settings, gateway, metrics
         self.health = Health(settings.reconcile_interval_s)
+        self.room = True  # set per queued job by tick: may it go to Ray now
 
     def tick(self) -> None:
-        for job in ledger.active_jobs(self.sessions):
+        active = ledger.active_jobs(self.sessions)
+        # Ray's statuses in one call per tick, not one per job; fetched only when a job needs them.
+        statuses = self.gateway.job_statuses() if any(self._asks_ray(job) for job in active) else {}
+        # Oldest first (active_jobs' order): a queued job takes the room a job ahead of it left.
+        on_ray = sum(job.state != JobState.QUEUED.value for job in active)
+        for job in active:
+            self.room = self.settings.max_active_jobs is None or on_ray < self.settings.max_active_jobs
             try:
-                self.reconcile(job)
+                action = self.reconcile(job, statuses)
+                if action.do == Do.SUBMIT:
+                    on_ray += 1
+                elif action.state in TERMINAL and job.state != JobState.QUEUED.value:
+                    on_ray -= 1
             except (GatewayError, IllegalTransition, ledger.Conflict) as e:
                 log.warning("job %s: %s", job.id, e)
             except Exception:
                 log.exception("job %s: reconcile failed", job.id)
 
-    def reconcile(self, job: ledger.Job) -> Action:
-        seen, info = self.observe(job)
+    def reconcile(self, job: ledger.Job, statuses: dict[str, str] | None = None) -> Action:
+        """`statuses`: Ray's, from this tick's one call; None: ask Ray for this job's."""
+        seen, info = self.observe(job, statuses)
         action = decide.decide(seen)
         self.carry_out(job, action, info)
         return action
 
-    def observe(self, job: ledger.Job) -> tuple[Seen, dict | None]:
+    @staticmethod
+    def _asks_ray(job: ledger.Job) -> bool:
+        return bool(job.submission_id) and (job.state != JobState.QUEUED.value or job.cancel_requested)
+
+    def observe(self, job: ledger.Job, statuses: dict[str, str] | None = None) -> tuple[Seen, dict | None]:
         state = JobState(job.state)
         now = time.time()
-        if state == JobState.QUEUED and not job.cancel_requested:  # nothing to ask of Ray or storage yet
-            return Seen(state=state, idle_s=now - job.updated_at), None
-        status = self.gateway.status(job.submission_id) if job.submission_id else None
+        if not self._asks_ray(job) and state == JobState.QUEUED:  # nothing to ask of Ray or storage yet
+            return Seen(state=state, idle_s=now - job.updated_at, room=self.room), None
+        if not job.submission_id:
+            status = None
+        elif statuses is not None:
+            status = statuses.get(job.submission_id)
+        else:
+            status = self.gateway.status(job.submission_id)
         info = rundir.summary(rundir.run_dir(self.settings.runs_dir, job.id))
         if self.metrics is not None:
             self.metrics.observe_job(job.id, info)

@@ -51,6 +51,11 @@ class Settings(BaseSettings):
                                       description="Limit of reading a job's whole log or uploading a code archive.")
     ray_kill_timeout_s: float = Field(60.0, gt=0, le=3600,
                                       description="Limit of a fault's kill job: placed on the worker's node, run, ended.")
+    max_active_jobs: int | None = Field(
+        None, ge=1, le=100_000, description="Jobs handed to Ray at once (submitted, running or recovering); more "
+        "wait QUEUED, oldest first. Unset: no limit. Every Ray Train job costs several processes beyond its "
+        "workers, so a small cluster runs many jobs better a few at a time.",
+    )
     autoscaling: bool = Field(
         False, description="The Ray cluster adds nodes on demand (KubeRay's autoscaler): admission does not refuse "
         "a job for want of nodes that are not up yet.",

@@ -28,6 +28,9 @@ class FakeGateway:
     def status(self, submission_id: str) -> str | None:
         return self.statuses.get(submission_id)
 
+    def job_statuses(self) -> dict[str, str]:
+        return {sid: status for sid in list(self.statuses) if (status := self.status(sid)) is not None}
+
     def logs(self, submission_id: str) -> str:
         return f"logs of {submission_id}\n"
 

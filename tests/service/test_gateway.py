@@ -209,6 +209,15 @@ def test_status_of_an_unknown_job_is_none(gw, ray_http, tmp_path):
         elsewhere.status("s1")
 
 
+def test_every_status_in_one_call(gw, ray_http):
+    ray_http.jobs["s1"] = {"submission_id": "s1", "status": "RUNNING"}
+    ray_http.jobs["s2"] = {"submission_id": "s2", "status": "FAILED"}
+    ray_http.jobs["driver"] = {"submission_id": None, "status": "RUNNING"}  # a plain `ray.init` driver
+    seen = len(ray_http.requests)
+    assert gw.job_statuses() == {"s1": "RUNNING", "s2": "FAILED"}
+    assert len(ray_http.requests) == seen + 1
+
+
 def test_submit_sends_the_entrypoint_and_is_idempotent(gw, ray_http):
     gw.submit(submission_id="s1", spec_path="/runs/j/spec.json", job_id="j")
     gw.submit(submission_id="s1", spec_path="/runs/j/spec.json", job_id="j")  # "already exists": no error

@@ -29,7 +29,6 @@ class FlakyGateway(FakeGateway):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.down = False
-        self.broken_status: set[str] = set()
 
     def submit(self, **kw) -> None:
         if self.down:
@@ -40,11 +39,6 @@ class FlakyGateway(FakeGateway):
         if self.down:
             raise GatewayError("connection refused")
         super().stop(submission_id)
-
-    def status(self, submission_id: str) -> str | None:
-        if submission_id in self.broken_status:
-            raise GatewayError("status unavailable")
-        return super().status(submission_id)
 
 
 @pytest.fixture
@@ -313,14 +307,21 @@ def test_job_cancelled_while_queued_is_never_started(client, app, settings, gate
     assert gateway.submitted == {}
 
 
-def test_one_failing_job_does_not_stop_the_others(client, app, settings, gateway):
+def test_one_failing_job_does_not_stop_the_others(client, app, settings, gateway, monkeypatch):
     submit(client, "t1")
     submit(client, "t2")
     for name in ("t1", "t2"):
         events.emit(rd(settings, name), "attempt_started", attempt=1, total_steps=20)
         step(rd(settings, name))
         set_ray(gateway, name, "RUNNING")
-    gateway.broken_status.add("etrain-t1-1")
+    summary = rundir.summary
+
+    def unreadable_t1(path: str) -> dict:
+        if path.endswith("t1"):
+            raise OSError("t1's run record is unreadable")
+        return summary(path)
+
+    monkeypatch.setattr(rundir, "summary", unreadable_t1)
     tick(app)
     assert job(app, "t1").state == "SUBMITTED"
     assert job(app, "t2").state == "RUNNING"
@@ -545,3 +546,22 @@ def test_a_failing_tick_is_retried_and_readyz_says_why(settings, gateway, monkey
         assert r.status_code == 503 and "the database is down" in r.json()["reconciler"]
     asyncio.run(run_until(4))  # the loop outlived the failures and ticks again
     assert rec.health.problem() is None
+
+
+def test_max_active_jobs_hands_queued_jobs_to_ray_oldest_first_as_room_frees(tmp_path, gateway):
+    limited = Settings(data_dir=tmp_path / "data", token=TOKEN, storage=None, max_active_jobs=2)
+    app = create_app(limited, gateway, reconcile=False)
+    with TestClient(app, headers=AUTH) as client:
+        states = [submit(client, f"m{i}")["state"] for i in range(4)]
+        assert states == ["SUBMITTED", "SUBMITTED", "QUEUED", "QUEUED"]  # two on Ray, two wait
+        for i in (2, 3):
+            _age(app, f"m{i}", reconciler.QUEUED_GRACE_S + 1)
+        tick(app)
+        assert job(app, "m2").state == job(app, "m3").state == "QUEUED"  # still no room
+        rd(limited, "m0")
+        events.emit(rd(limited, "m0"), "finished", attempt=1, final_step=20, loss=0.1)
+        set_ray(gateway, "m0", "SUCCEEDED")
+        tick(app)  # m0 ends, and its room goes to the oldest waiting job in the same tick
+        assert job(app, "m0").state == "SUCCEEDED"
+        assert job(app, "m2").state == "SUBMITTED" and job(app, "m3").state == "QUEUED"
+        assert list(gateway.submitted) == ["etrain-m0-1", "etrain-m1-1", "etrain-m2-1"]

@@ -73,3 +73,9 @@ def test_decide(seen, action, why):
 
 def test_every_action_is_in_the_table():
     assert {a.do for _, a, _ in CASES} == set(Do)
+
+
+def test_a_queued_job_waits_for_room_under_max_active_jobs():
+    assert decide(Seen(Q, idle_s=5, room=False)) == Action(Do.NOTHING)
+    assert decide(Seen(Q, idle_s=5, room=True)) == Action(Do.SUBMIT)
+    assert decide(Seen(Q, idle_s=5, room=False, cancel_requested=True)) == Action(Do.SET_STATE, CANC)
