@@ -41,10 +41,11 @@ def ready(url: str) -> bool:
         return False
 
 
-def start_api(cluster, data_dir: Path, port: int | None = None) -> Api:
+def start_api(cluster, data_dir: Path, port: int | None = None, env: dict[str, str] | None = None) -> Api:
+    """`env`: more settings, e.g. DATABASE_URL for replicas sharing one PostgreSQL ledger."""
     port = port or free_port()
     env = {**cluster.env, "ETRAIN_TOKEN": TOKEN, "ETRAIN_DASHBOARD_URL": cluster.dashboard,
-           "ETRAIN_RECONCILE_INTERVAL_S": "0.3", "ETRAIN_PYTHON": sys.executable}
+           "ETRAIN_RECONCILE_INTERVAL_S": "0.3", "ETRAIN_PYTHON": sys.executable, **(env or {})}
     log = open(data_dir / f"api-{port}.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir), "--port",
                              str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
