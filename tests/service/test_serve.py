@@ -148,6 +148,38 @@ def test_serve_whose_ray_head_fails_prints_the_cause_and_the_log(tmp_path):
     assert "Traceback" in log.read_text()  # Ray's own traceback stays in its log
 
 
+def test_serve_against_a_ray_that_is_down_starts_serves_reads_and_says_why_it_is_not_ready(tmp_path):
+    from tests.service.conftest import TOKEN, terminate
+
+    port, dead = free_port(), free_port()  # nothing listens on `dead`
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "ETRAIN_TOKEN")}
+    env.update({"ETRAIN_RAY_ADDRESS": f"127.0.0.1:{dead}", "ETRAIN_DASHBOARD_URL": f"http://127.0.0.1:{dead}",
+                "ETRAIN_TOKEN": TOKEN, "ETRAIN_RECONCILE_INTERVAL_S": "0.2"})
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--data-dir", str(tmp_path / "data"),
+                                 "--port", str(port)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {TOKEN}"}
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.3)
+        ready = httpx.get(f"{url}/readyz", timeout=30)
+        assert ready.status_code == 503 and ready.json()["ledger"] == "ok", ready.text
+        assert ready.json()["ray"].startswith("unavailable: GatewayError") and str(dead) in ready.json()["ray"]
+        r = httpx.post(f"{url}/v1/jobs", headers=auth, timeout=30,
+                       json={"job_id": "waits", "workers": 1, "dataset": {"name": "synthetic", "size": 64}})
+        assert r.status_code == 201 and r.json()["state"] == "QUEUED", r.text  # kept until Ray is back
+        assert httpx.get(f"{url}/v1/jobs/waits", headers=auth, timeout=30).json()["state"] == "QUEUED"
+        assert httpx.get(f"{url}/v1/jobs", headers=auth, timeout=30).json()["count"] == 1
+    finally:
+        terminate(proc, 30)
+
+
 def test_demo_whose_service_fails_prints_the_cause_and_the_log(tmp_path, taken_port):
     data = tmp_path / "demo"
     done = run_cli(["demo", "--data-dir", str(data), "--port", str(taken_port), "--ray-port", str(free_port()),
