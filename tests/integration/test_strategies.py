@@ -17,7 +17,9 @@ from workers import events
 from workers.loop import WorkerEnv, train
 from workers.spec import JobSpec
 
-pytestmark = pytest.mark.ray
+# The waves fixture runs under the first test's time limit: 4 waves of jobs take ~6 minutes
+# here, more on a loaded machine, so the limit is the module's, not the default 600 s.
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(1500)]
 
 CRASH_AT = 14  # after the checkpoint of step 10: each resume recomputes steps 11-13
 
