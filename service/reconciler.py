@@ -58,7 +58,6 @@ class Reconciler:
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, metrics=None):
         self.sessions, self.settings, self.gateway, self.metrics = sessions, settings, gateway, metrics
         self.health = Health(settings.reconcile_interval_s)
-        self.room = True  # set per queued job by tick: may it go to Ray now
 
     def tick(self) -> None:
         active = ledger.active_jobs(self.sessions)
@@ -67,9 +66,9 @@ class Reconciler:
         # Oldest first (active_jobs' order): a queued job takes the room a job ahead of it left.
         on_ray = sum(job.state != JobState.QUEUED.value for job in active)
         for job in active:
-            self.room = self.settings.max_active_jobs is None or on_ray < self.settings.max_active_jobs
+            room = self.settings.max_active_jobs is None or on_ray < self.settings.max_active_jobs
             try:
-                action = self.reconcile(job, statuses)
+                action = self.reconcile(job, statuses, room)
                 if action.do == Do.SUBMIT:
                     on_ray += 1
                 elif action.state in TERMINAL and job.state != JobState.QUEUED.value:
@@ -79,9 +78,10 @@ class Reconciler:
             except Exception:
                 log.exception("job %s: reconcile failed", job.id)
 
-    def reconcile(self, job: ledger.Job, statuses: dict[str, str] | None = None) -> Action:
-        """`statuses`: Ray's, from this tick's one call; None: ask Ray for this job's."""
-        seen, info = self.observe(job, statuses)
+    def reconcile(self, job: ledger.Job, statuses: dict[str, str] | None = None, room: bool = True) -> Action:
+        """`statuses`: Ray's, from this tick's one call (None: ask Ray for this job's);
+        `room`: whether ETRAIN_MAX_ACTIVE_JOBS lets one more job go to Ray now."""
+        seen, info = self.observe(job, statuses, room)
         action = decide.decide(seen)
         self.carry_out(job, action, info)
         return action
@@ -90,11 +90,12 @@ class Reconciler:
     def _asks_ray(job: ledger.Job) -> bool:
         return bool(job.submission_id) and (job.state != JobState.QUEUED.value or job.cancel_requested)
 
-    def observe(self, job: ledger.Job, statuses: dict[str, str] | None = None) -> tuple[Seen, dict | None]:
+    def observe(self, job: ledger.Job, statuses: dict[str, str] | None = None,
+                room: bool = True) -> tuple[Seen, dict | None]:
         state = JobState(job.state)
         now = time.time()
         if not self._asks_ray(job) and state == JobState.QUEUED:  # nothing to ask of Ray or storage yet
-            return Seen(state=state, idle_s=now - job.updated_at, room=self.room), None
+            return Seen(state=state, idle_s=now - job.updated_at, room=room), None
         if not job.submission_id:
             status = None
         elif statuses is not None:
