@@ -310,8 +310,12 @@ class RayGateway:
         # With pip, Ray puts the job in a virtualenv of its own: `python` is that one's,
         # which this interpreter's absolute path would pass by.
         python = "python" if requirements else self.python
-        # The very command a user would pass to `ray job submit`.
-        entrypoint = f"{shlex.quote(python)} -m workers.run {shlex.quote(spec_path)}"
+        # The very command a user would pass to `ray job submit`, exec'd: Ray runs the
+        # entrypoint under /bin/sh, which (dash, unlike bash) forks it rather than becoming
+        # it, and `ray job stop` signals the shell and the children it has at that moment
+        # (Ray's JobSupervisor, psutil children()); a driver forked just after outlived the
+        # stop and trained on beside the job's next submission.
+        entrypoint = f"exec {shlex.quote(python)} -m workers.run {shlex.quote(spec_path)}"
         try:
             self.client.submit_job(entrypoint=entrypoint, submission_id=submission_id,
                                    metadata={"etrain_job_id": job_id}, runtime_env=env)

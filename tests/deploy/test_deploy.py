@@ -438,8 +438,8 @@ def test_rayjob_runs_the_services_entrypoint_on_the_spec_from_its_configmap():
 
     objects = render("rayjob")
     job = one(objects, "RayJob", "etrain-once")
-    # What service/gateway.py submits: `<python> -m workers.run <spec>`.
-    m = re.fullmatch(r"python -m workers\.run (\S+)", job["spec"]["entrypoint"])
+    # What service/gateway.py submits: `exec <python> -m workers.run <spec>`.
+    m = re.fullmatch(r"exec python -m workers\.run (\S+)", job["spec"]["entrypoint"])
     assert m, job["spec"]["entrypoint"]
     spec_path = PurePosixPath(m.group(1))
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]

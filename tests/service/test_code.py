@@ -396,12 +396,12 @@ def test_ray_gateway_submits_the_archive_as_working_dir(tmp_path):
     gateway.submit(submission_id="s3", spec_path="/runs/j/spec.json", job_id="j", code_path="/d/code/x.zip",
                    requirements=["einops"])
     plain, with_code, with_pip = client.calls
-    assert plain["runtime_env"] is None and plain["entrypoint"] == "/venv/bin/python -m workers.run /runs/j/spec.json"
+    assert plain["runtime_env"] is None and plain["entrypoint"] == "exec /venv/bin/python -m workers.run /runs/j/spec.json"
     assert with_code["runtime_env"] == {"working_dir": "/d/code/x.zip"}
     assert with_code["entrypoint"] == plain["entrypoint"]
     # With pip, Ray runs the job in a virtualenv of its own: its `python`, not this one.
     assert with_pip["runtime_env"] == {"working_dir": "/d/code/x.zip", "pip": ["einops"]}
-    assert with_pip["entrypoint"] == "python -m workers.run /runs/j/spec.json"
+    assert with_pip["entrypoint"] == "exec python -m workers.run /runs/j/spec.json"
 
 
 # ---------------------------------------------------------------- the archive the CLI makes

@@ -222,7 +222,7 @@ def test_submit_sends_the_entrypoint_and_is_idempotent(gw, ray_http):
     gw.submit(submission_id="s1", spec_path="/runs/j/spec.json", job_id="j")
     gw.submit(submission_id="s1", spec_path="/runs/j/spec.json", job_id="j")  # "already exists": no error
     sent = ray_http.jobs["s1"]
-    assert sent["entrypoint"] == "/venv/bin/python -m workers.run /runs/j/spec.json"
+    assert sent["entrypoint"] == "exec /venv/bin/python -m workers.run /runs/j/spec.json"
     assert sent["metadata"] == {"etrain_job_id": "j"} and "runtime_env" not in sent
     assert len([r for r in ray_http.requests if r.method == "POST"]) == 2
 
@@ -279,7 +279,7 @@ def test_a_code_archive_is_uploaded_once_and_sent_as_its_gcs_uri(gw, ray_http, t
     assert puts[0].content == code.read_bytes()
     assert ray_http.jobs["s1"]["runtime_env"] == {"working_dir": uri,
                                                  "pip": {"packages": ["einops"], "pip_check": False}}
-    assert ray_http.jobs["s1"]["entrypoint"] == "python -m workers.run /x.json"
+    assert ray_http.jobs["s1"]["entrypoint"] == "exec python -m workers.run /x.json"
     assert ray_http.jobs["s2"]["runtime_env"] == {"working_dir": uri}
 
 
