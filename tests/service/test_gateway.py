@@ -495,6 +495,12 @@ def test_gateway_against_real_ray(ray_cluster, tmp_path, monkeypatch):
         gateway.kill_process(pid=os.getpid(), node_id=node)
     with pytest.raises(ProcessLookupError):  # the right actor, named with another job's submission
         gateway.kill_process(pid=busy, node_id=node, submission_id=sid)
+    # Ray's state API and its job table are read separately and can trail the PIDS line
+    # by a moment on a loaded machine (once in CI: ProcessLookupError here). Wait until
+    # both show what kill_process checks, then it must kill.
+    wait_until("the actor, live, in the job's running submission",
+               lambda: (actor := gateway._live_actor(busy, node)) is not None
+               and gateway._owner(actor, actors_sid, "gw-actors") is not None, timeout=60)
     gateway.kill_process(pid=busy, node_id=node, submission_id=actors_sid, job_id="gw-actors")
     wait_until("the killed worker gone", lambda: not alive(busy), timeout=30)
     assert alive(other)
