@@ -149,8 +149,15 @@ class Reconciler:
             ledger.save_summary(self.sessions, job_id=job.id, summary=info)
 
     def _set(self, job: ledger.Job, target: JobState, **fields) -> None:
-        # Compare-and-set on what this tick saw: a cancel recorded since wins over it.
-        expect = {"cancel_requested": False} if not job.cancel_requested else None
+        # Compare-and-set on what this tick saw: a cancel recorded since wins over it, and
+        # so does any other change to the row since (the creating request's submission
+        # landing, a resubmission claimed or confirmed). Else a tick that saw a cancelled
+        # QUEUED job Ray did not know yet would mark it CANCELLED after the request had
+        # made it SUBMITTED, leaving that Ray job running; the next tick sees it afresh.
+        expect = {"state": job.state, "submission_id": job.submission_id,
+                  "pending_submission": job.pending_submission}
+        if not job.cancel_requested:
+            expect["cancel_requested"] = False
         ledger.update_job(self.sessions, job_id=job.id, state=target, expect=expect, **fields)
         log.info("job %s: %s -> %s", job.id, job.state, target.value)
 

@@ -463,6 +463,24 @@ def test_a_resubmission_whose_answer_was_lost_is_counted_once(client, app, setti
     assert list(gateway.submitted) == ["etrain-x-1", "etrain-x-2"]
 
 
+def test_a_tick_that_saw_a_cancelled_queued_job_does_not_hide_its_late_submission(client, app, settings, gateway):
+    gateway.down = True
+    submit(client, "q2")  # QUEUED: Ray unreachable
+    assert client.post("/v1/jobs/q2/cancel").status_code == 200
+    seen = job(app, "q2")  # a tick read it: QUEUED, cancelled, unknown to Ray: "mark it CANCELLED"
+    # ... while another replica's submission landed in Ray and in the ledger.
+    gateway.down = False
+    jobs.submit(app.state.ledger, settings, gateway, job(app, "q2"))
+    assert job(app, "q2").state == "SUBMITTED" and list(gateway.submitted) == ["etrain-q2-1"]
+    with pytest.raises(ledger.Conflict):
+        app.state.reconciler._set(seen, ledger.JobState.CANCELLED)
+    tick(app)  # the next tick sees the row afresh and stops what Ray runs
+    set_ray(gateway, "q2", "STOPPED")
+    tick(app)
+    assert job(app, "q2").state == "CANCELLED"
+    assert all(sid in gateway.stopped for sid, v in gateway.submitted.items() if v["job_id"] == "q2")
+
+
 def test_cancel_wins_over_a_resubmission_claimed_by_another_replica(client, app, settings, gateway):
     submit(client, "y")
     rd(settings, "y")
