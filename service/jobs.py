@@ -118,7 +118,7 @@ def submit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway
                                 expect={"submission_id": None})
     gateway.submit(submission_id=job.submission_id, **prepared)  # GatewayError: it stays QUEUED
     try:
-        return ledger.update_job(sessions, job_id=job.id, state=JobState.SUBMITTED, waiting_since=time.time())
+        return ledger.update_job(sessions, job_id=job.id, state=JobState.SUBMITTED, waiting_since=time.time(), seen=job)
     except IllegalTransition:
         # Cancelled while Ray was taking it: Ray must not run it.
         gateway.stop(job.submission_id)

@@ -8,9 +8,11 @@ service. The schema is owned by the Alembic revisions in service/migrations, app
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    bindparam,
     create_engine,
     delete,
     event,
@@ -109,15 +112,53 @@ def engine_url(url: str | URL) -> URL:
     return u.set(drivername="postgresql+psycopg") if u.drivername in ("postgresql", "postgres") else u
 
 
+# Connections kept open per process: as many as its requests use at once, so that none is
+# closed on return and opened again on the next request (SQLAlchemy's default, 5 kept and 10
+# more opened and closed as needed, churned connections under 50 clients: a new PostgreSQL
+# backend, or SQLite's pragmas, each time). Never more than the default's 15 at once.
+POOL = {"pool_size": 15, "max_overflow": 0}
+
+
 def open_ledger(url: str) -> sessionmaker[Session]:
     u = engine_url(url)
     sqlite = u.get_backend_name() == "sqlite"
-    engine = create_engine(u, **({"connect_args": {"timeout": 30, "check_same_thread": False}}
-                                 if sqlite else {"pool_pre_ping": True}))
+    pool = POOL if u.database and u.database != ":memory:" else {}  # an in-memory SQLite has one connection
+    engine = create_engine(u, **pool, **({"connect_args": {"timeout": 30, "check_same_thread": False}}
+                                         if sqlite else {"pool_pre_ping": True}))
     if sqlite:
         event.listen(engine, "connect", _sqlite_pragmas)
     upgrade(engine)
-    return sessionmaker(engine, expire_on_commit=False)
+    sessions = sessionmaker(engine, expire_on_commit=False)
+    if sqlite:
+        _WRITE_LOCKS[sessions] = threading.Lock()
+    else:
+        # Reads outside a transaction: a SELECT alone, not BEGIN, SELECT, ROLLBACK (two round
+        # trips fewer). The same rows: under READ COMMITTED each statement reads its own
+        # snapshot either way. (pysqlite begins no transaction for a SELECT anyway.)
+        _READERS[sessions] = sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"),
+                                          expire_on_commit=False)
+    return sessions
+
+
+_READERS: weakref.WeakKeyDictionary[sessionmaker, sessionmaker] = weakref.WeakKeyDictionary()
+_WRITE_LOCKS: weakref.WeakKeyDictionary[sessionmaker, threading.Lock] = weakref.WeakKeyDictionary()
+
+
+def _writing(sessions: sessionmaker[Session]) -> contextlib.AbstractContextManager:
+    """Held around each write to a SQLite ledger: its writers take turns in this process
+    rather than in SQLite's busy handler, which sleeps and polls (up to 100 ms a time) for
+    the database lock; under 50 clients that sleeping made POST's p99 seconds. Writers in
+    other processes still meet in the busy handler. PostgreSQL locks rows, not the database."""
+    return _WRITE_LOCKS.get(sessions) or contextlib.nullcontext()
+
+
+def _reading(sessions: sessionmaker[Session]) -> Session:
+    """A session for reads only (see open_ledger)."""
+    return _READERS.get(sessions, sessions)()
+
+
+def _read_engine(sessions: sessionmaker[Session]) -> Engine:
+    return engine_of(_READERS.get(sessions, sessions))
 
 
 def upgrade(engine: Engine) -> None:
@@ -167,15 +208,18 @@ def create_job(sessions: sessionmaker[Session], *, job_id: str, spec: dict[str, 
     """Insert a QUEUED job. With an Idempotency-Key already used, return that job and
     False; the unique constraint settles races between concurrent requests."""
     now = time.time()
-    with sessions() as s:
+    with _writing(sessions), sessions() as s:
         if idempotency_key is not None:
             existing = s.scalar(select(Job).where(Job.idempotency_key == idempotency_key))
             if existing is not None:
                 return _same_request(existing, request_hash), False
-        s.add(Job(id=job_id, state=JobState.QUEUED.value, spec=json.dumps(spec), request_hash=request_hash,
+        # Every column given: nothing for the database to fill in, so nothing to read back.
+        job = Job(id=job_id, state=JobState.QUEUED.value, spec=json.dumps(spec), request_hash=request_hash,
                   idempotency_key=idempotency_key, created_at=now, updated_at=now, resubmits=0,
                   submission_id=submission_id, submissions=1 if submission_id else 0,
-                  restarts=0, cancel_requested=False))
+                  restarts=0, cancel_requested=False, resubmitted_at=None, error=None, summary=None,
+                  summary_at=None, pending_submission=False, waiting_since=None)
+        s.add(job)
         try:
             s.commit()
         except IntegrityError:
@@ -185,7 +229,7 @@ def create_job(sessions: sessionmaker[Session], *, job_id: str, spec: dict[str, 
                 if existing is not None:
                     return _same_request(existing, request_hash), False
             raise DuplicateJob(f"job {job_id!r} exists already") from None
-        return s.get(Job, job_id), True
+        return job, True
 
 
 def _same_request(job: Job, request_hash: str) -> Job:
@@ -195,68 +239,140 @@ def _same_request(job: Job, request_hash: str) -> Job:
 
 
 def get_job(sessions: sessionmaker[Session], *, job_id: str) -> Job | None:
-    with sessions() as s:
+    with _reading(sessions) as s:
         return s.get(Job, job_id)
 
 
 def list_jobs(sessions: sessionmaker[Session], *, state: JobState | None = None, limit: int = 50,
               offset: int = 0) -> tuple[list[Job], int]:
-    with sessions() as s:
-        query = select(Job)
-        count = select(func.count()).select_from(Job)
-        if state is not None:
-            query = query.where(Job.state == state.value)
-            count = count.where(Job.state == state.value)
-        rows = s.scalars(query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)).all()
+    with _reading(sessions) as s:
+        query, count = _page(select(Job), state, limit, offset)
+        rows = s.scalars(query).all()
         return list(rows), s.scalar(count)
 
 
+def _page(query, state: JobState | None, limit: int, offset: int):
+    """A page of jobs, newest first, and the count of all that match."""
+    count = select(func.count()).select_from(Job)
+    if state is not None:
+        query = query.where(Job.state == state.value)
+        count = count.where(Job.state == state.value)
+    return query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset), count
+
+
+class JobRow:
+    """A job's row as read for a view (GET /v1/jobs and /v1/jobs/{id}): Job's columns, its
+    spec_dict and summary_dict, read-only. Building an ORM object costs more than reading
+    its row, and a view needs neither a session nor change tracking."""
+
+    __slots__ = tuple(c.key for c in Job.__table__.c)
+    spec_dict = Job.spec_dict
+    summary_dict = Job.summary_dict
+
+    def __init__(self, row) -> None:
+        for name, value in zip(self.__slots__, row, strict=True):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a JobRow is read-only ({name})")
+
+
+_JOBS = Job.__table__
+_ROW_BY_ID = select(*(_JOBS.c[name] for name in JobRow.__slots__)).where(_JOBS.c.id == bindparam("job_id"))
+
+
+def job_row(sessions: sessionmaker[Session], *, job_id: str) -> JobRow | None:
+    """get_job for a view."""
+    with _read_engine(sessions).connect() as conn:
+        row = conn.execute(_ROW_BY_ID, {"job_id": job_id}).first()
+    return JobRow(row) if row is not None else None
+
+
+def job_rows(sessions: sessionmaker[Session], *, state: JobState | None = None, limit: int = 50,
+             offset: int = 0) -> tuple[list[JobRow], int]:
+    """list_jobs for a view."""
+    query, count = _page(select(*(_JOBS.c[name] for name in JobRow.__slots__)), state, limit, offset)
+    with _read_engine(sessions).connect() as conn:
+        rows = conn.execute(query).all()
+        return [JobRow(row) for row in rows], conn.scalar(count)
+
+
 def active_jobs(sessions: sessionmaker[Session]) -> list[Job]:
-    with sessions() as s:
+    with _reading(sessions) as s:
         states = [st.value for st in JobState if lifecycle.is_active(st)]
         return list(s.scalars(select(Job).where(Job.state.in_(states)).order_by(Job.created_at)).all())
 
 
 def count_by_state(sessions: sessionmaker[Session]) -> dict[str, int]:
-    with sessions() as s:
+    with _reading(sessions) as s:
         rows = s.execute(select(Job.state, func.count()).group_by(Job.state)).all()
     return {state.value: 0 for state in JobState} | {state: n for state, n in rows}
 
 
 def update_job(sessions: sessionmaker[Session], *, job_id: str, state: JobState | None = None,
-               expect: dict[str, Any] | None = None, **fields: Any) -> Job:
+               expect: dict[str, Any] | None = None, seen: Job | None = None, **fields: Any) -> Job:
     """Change a job's fields, and its state only along a legal transition (IllegalTransition
     otherwise). With `expect`, only if those columns hold those values now (Conflict
     otherwise): how a caller claims a change another process may be making too.
 
     A compare-and-set, not a row lock: SQLite ignores FOR UPDATE, so two updaters could
     both pass the transition check on the same read. The UPDATE applies only if the state
-    is still the one checked; if another writer got there first, read and check again."""
+    is still the one checked; if another writer got there first, read and check again.
+
+    `seen`: the row as the caller has just read or written it. The first compare-and-set is
+    tried on its state without reading the row again (a statement fewer); if it no longer
+    holds, the row is read and checked as above."""
     expect = expect or {}
-    for _ in range(_CAS_TRIES):
-        with sessions() as s, s.begin():
-            job = s.get(Job, job_id)
-            if job is None:
-                raise KeyError(job_id)
-            differing = {k: v for k, v in expect.items() if getattr(job, k) != v}
-            if differing:
-                raise Conflict(job_id, differing)
+    hint = seen if seen is not None and seen.id == job_id else None
+    job = hint
+    for _ in range(_CAS_TRIES + (hint is not None)):
+        with _writing(sessions), sessions() as s, s.begin():
+            if hint is not None and (state is None or _legal(hint.state, state)):
+                current = hint.state
+            else:
+                job = s.get(Job, job_id)
+                if job is None:
+                    raise KeyError(job_id)
+                differing = {k: v for k, v in expect.items() if getattr(job, k) != v}
+                if differing:
+                    raise Conflict(job_id, differing)
+                if state is not None:
+                    lifecycle.check(JobState(job.state), state)
+                current = job.state
+            hint = None
             values = {**fields, "updated_at": time.time()}
             if state is not None:
-                lifecycle.check(JobState(job.state), state)
                 values["state"] = state.value
-            guard = [Job.id == job_id, Job.state == job.state, *(getattr(Job, k) == v for k, v in expect.items())]
-            changed = s.execute(update(Job).where(*guard).values(values)
-                                .execution_options(synchronize_session=False)).rowcount
-            if changed:
-                s.refresh(job)
-                return job
+            guard = [Job.id == job_id, Job.state == current, *(getattr(Job, k) == v for k, v in expect.items())]
+            changed = _update(s, job_id, guard, values)
+            if changed is not None:
+                return changed
     raise Conflict(job_id, {"state": job.state, **expect})  # kept losing to other writers
+
+
+def _legal(current: str, target: JobState) -> bool:
+    try:
+        lifecycle.check(JobState(current), target)
+    except lifecycle.IllegalTransition:
+        return False
+    return True
+
+
+def _update(s: Session, job_id: str, guard: list, values: dict[str, Any]) -> Job | None:
+    """UPDATE the job where `guard` holds; the row as it left it, or None if no row matched."""
+    change = update(Job).where(*guard).values(values).execution_options(synchronize_session=False)
+    if s.get_bind().dialect.name == "postgresql":
+        # The row in the same statement: a round trip fewer than reading it again. (Not on
+        # SQLite: its RETURNING gives 1 for a REAL 1.0, where a SELECT gives 1.0.)
+        return s.scalars(change.returning(Job), execution_options={"populate_existing": True}).first()
+    if s.execute(change).rowcount:
+        return s.get(Job, job_id, populate_existing=True)
+    return None
 
 
 def delete_job(sessions: sessionmaker[Session], *, job_id: str) -> bool:
     """Remove a job's row; False if there was none."""
-    with sessions() as s, s.begin():
+    with _writing(sessions), sessions() as s, s.begin():
         return s.execute(delete(Job).where(Job.id == job_id)).rowcount > 0
 
 
@@ -268,11 +384,11 @@ def save_summary(sessions: sessionmaker[Session], *, job_id: str, summary: dict[
     values: dict[str, Any] = {"summary": json.dumps(summary), "summary_at": time.time()}
     if restarts is not None:
         values["restarts"] = restarts
-    with sessions() as s, s.begin():
+    with _writing(sessions), sessions() as s, s.begin():
         return s.execute(update(Job).where(Job.id == job_id).values(values)
                          .execution_options(synchronize_session=False)).rowcount > 0
 
 
 def ping(sessions: sessionmaker[Session]) -> None:
-    with sessions() as s:
+    with _reading(sessions) as s:
         s.execute(select(1))

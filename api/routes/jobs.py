@@ -20,7 +20,7 @@ from workers.spec import JobSpec
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[AuthDep])
 
 
-def to_public(job: ledger.Job, settings, gateway, sessions) -> JobPublic:
+def to_public(job: ledger.Job | ledger.JobRow, settings, gateway, sessions) -> JobPublic:
     info = jobs.view(sessions, settings, job)
     return JobPublic(
         id=job.id, state=job.state, attempts=info["attempts"], restarts=info["restarts"], resubmits=job.resubmits,
@@ -33,48 +33,75 @@ def to_public(job: ledger.Job, settings, gateway, sessions) -> JobPublic:
     )
 
 
+def _answer(body: bytes, status_code: int = status.HTTP_200_OK) -> Response:
+    """A response body serialised from a model built (and so validated) once. Returning the
+    model instead would have FastAPI validate it all again before serialising it, and for a
+    plain `def` route do that in a second trip to the thread pool: on a job view, more than
+    the view itself costs. The route's response_model still documents the body."""
+    return Response(body, status_code=status_code, media_type="application/json")
+
+
 def _get(sessions, job_id: str) -> ledger.Job:
-    job = ledger.get_job(sessions, job_id=job_id)
+    return _found(ledger.get_job(sessions, job_id=job_id), job_id)
+
+
+def _found(job, job_id: str):
     if job is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
     return job
 
 
+# The hot routes are `async def` that make one trip to the thread pool for their blocking
+# part (the ledger, storage, Ray) and answer with _answer.
+
+
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
-def create_job(
-    request: Request, response: Response, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
+async def create_job(
+    request: Request, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
     spec: Annotated[JobSpec, Body(description="The job spec; `storage` is chosen by the service.")],
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
-) -> JobPublic:
+) -> Response:
     """Submit a job. The same Idempotency-Key again returns the same job (200) and never
     starts a second Ray job."""
-    spec = admission.admit(spec, settings, request.app.state.capacity())
-    # A generated job_id differs on every retry, so it is no part of the request; one the client chose is.
-    generated_id = idempotency_key and "job_id" not in spec.model_fields_set
-    body = spec.model_dump(mode="json", exclude={"job_id"} if generated_id else set())
-    job, created = jobs.create(sessions, settings, spec, body=body, idempotency_key=idempotency_key)
-    if created:
-        job = jobs.try_submit(sessions, settings, gateway, job)
-    else:
-        response.status_code = status.HTTP_200_OK
-    return to_public(job, settings, gateway, sessions)
+
+    def create() -> tuple[bytes, int]:
+        admitted = admission.admit(spec, settings, request.app.state.capacity())
+        # A generated job_id differs on every retry, so it is no part of the request; one the client chose is.
+        generated_id = idempotency_key and "job_id" not in admitted.model_fields_set
+        body = admitted.model_dump(mode="json", exclude={"job_id"} if generated_id else set())
+        job, created = jobs.create(sessions, settings, admitted, body=body, idempotency_key=idempotency_key)
+        if created:
+            job = jobs.try_submit(sessions, settings, gateway, job)
+        return (to_public(job, settings, gateway, sessions).model_dump_json().encode(),
+                status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    return _answer(*await run_in_threadpool(create))
 
 
 @router.get("", response_model=JobsPublic)
-def list_jobs(
+async def list_jobs(
     sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
     state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
-) -> JobsPublic:
+) -> Response:
     """Jobs, newest first."""
-    rows, count = ledger.list_jobs(sessions, state=state, limit=limit, offset=offset)
-    return JobsPublic(data=[to_public(j, settings, gateway, sessions) for j in rows], count=count)
+
+    def page() -> bytes:
+        rows, count = ledger.job_rows(sessions, state=state, limit=limit, offset=offset)
+        return JobsPublic(data=[to_public(j, settings, gateway, sessions) for j in rows],
+                          count=count).model_dump_json().encode()
+
+    return _answer(await run_in_threadpool(page))
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job_id: str, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep) -> JobPublic:
-    return to_public(_get(sessions, job_id), settings, gateway, sessions)
+async def get_job(job_id: str, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep) -> Response:
+    def view() -> bytes:
+        job = _found(ledger.job_row(sessions, job_id=job_id), job_id)
+        return to_public(job, settings, gateway, sessions).model_dump_json().encode()
+
+    return _answer(await run_in_threadpool(view))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)

@@ -670,7 +670,13 @@ def test_metrics_count_jobs_by_state(client, app):
     assert 'etrain_jobs{state="RUNNING"} 1.0' in text
     for state in JobState:
         assert f'etrain_jobs{{state="{state.value}"}}' in text
-    assert "etrain_http_request_seconds" in text
+    # Timed by route template and status, a 404 too (an unmatched path has no route).
+    client.get("/v1/jobs/m1")
+    client.get("/v1/jobs/nope")
+    text = client.get("/metrics").text
+    assert 'etrain_http_request_seconds_count{method="POST",route="/v1/jobs",status="201"} 2.0' in text
+    assert 'etrain_http_request_seconds_count{method="GET",route="/v1/jobs/{job_id}",status="200"} 1.0' in text
+    assert 'etrain_http_request_seconds_count{method="GET",route="/v1/jobs/{job_id}",status="404"} 1.0' in text
 
 
 # ---------------------------------------------------------------- unexpected errors

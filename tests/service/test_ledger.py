@@ -228,6 +228,37 @@ def test_cancel_wins_over_a_concurrent_reconcile(sessions):
     assert (job.state, job.submissions, job.pending_submission) == ("CANCELLED", 1, False)
 
 
+def test_seen_saves_a_read_but_never_a_check(sessions):
+    # `seen` is what the caller last read: when it still holds, the update skips the read;
+    # when the row moved on since, the update reads it and judges as without it.
+    job = new_job(sessions, "j", submission_id="j-1")
+    moved = ledger.update_job(sessions, job_id="j", state=JobState.SUBMITTED, seen=job)
+    assert (moved.state, moved.submission_id) == ("SUBMITTED", "j-1")
+    ledger.update_job(sessions, job_id="j", state=JobState.CANCELLED)
+    with pytest.raises(IllegalTransition):  # seen says SUBMITTED; the row is CANCELLED
+        ledger.update_job(sessions, job_id="j", state=JobState.RUNNING, seen=moved)
+    with pytest.raises(ledger.Conflict):  # a stale `seen` does not stand in for `expect`
+        ledger.update_job(sessions, job_id="j", submissions=5, expect={"submissions": 0}, seen=moved)
+    assert ledger.get_job(sessions, job_id="j").state == "CANCELLED"
+    assert ledger.update_job(sessions, job_id="j", error="x", seen=moved).error == "x"  # field-only, any state
+
+
+def test_job_rows_are_the_jobs_columns_read_only(sessions):
+    new_job(sessions, "a", submission_id="a-1")
+    ledger.save_summary(sessions, job_id="a", summary={"progress": {"step": 3}}, restarts=1)
+    time.sleep(0.01)
+    new_job(sessions, "b")
+    row, job = ledger.job_row(sessions, job_id="a"), ledger.get_job(sessions, job_id="a")
+    assert {c: getattr(row, c) for c in ledger.JobRow.__slots__} == {c: getattr(job, c) for c in ledger.JobRow.__slots__}
+    assert row.summary_dict == {"progress": {"step": 3}} and row.spec_dict == {"job_id": "a"} and row.restarts == 1
+    with pytest.raises(AttributeError):
+        row.state = "RUNNING"
+    assert ledger.job_row(sessions, job_id="missing") is None
+    rows, count = ledger.job_rows(sessions)
+    assert count == 2 and [r.id for r in rows] == ["b", "a"]  # newest first
+    assert [r.id for r in ledger.job_rows(sessions, state=JobState.QUEUED, limit=1, offset=1)[0]] == ["a"]
+
+
 # --- the schema ----------------------------------------------------------------------
 
 
