@@ -26,7 +26,10 @@ class Api:
     env: dict
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+        # Idle connections dropped well before uvicorn closes them (after 5 s): a request sent
+        # on one as the server closes it fails with "Server disconnected", no answer.
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60,
+                            limits=httpx.Limits(keepalive_expiry=1.0))
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
