@@ -58,10 +58,9 @@ def tiny(job_id: str) -> dict:
             "checkpoint": {"every_steps": 10}}
 
 
-def driver_pids(spec_paths: set[bytes]) -> dict[bytes, int]:
-    """The `python -m workers.run <spec>` process of each spec path found (not the `sh -c`
-    Ray wraps it in, whose argv holds the command as one string)."""
-    found = {}
+def workers_run_processes():
+    """(pid, argv) of every `python -m workers.run` process on the machine (not the `sh -c`
+    Ray may wrap one in, whose argv holds the command as one string)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -71,24 +70,18 @@ def driver_pids(spec_paths: set[bytes]) -> dict[bytes, int]:
         except OSError:
             continue
         if b"workers.run" in argv:
-            for path in spec_paths.intersection(argv):
-                found[path] = int(entry.name)
-    return found
+            yield int(entry.name), argv
+
+
+def driver_pids(spec_paths: set[bytes]) -> dict[bytes, int]:
+    """The driver process of each spec path found."""
+    return {path: pid for pid, argv in workers_run_processes() for path in spec_paths.intersection(argv)}
 
 
 def drivers_under(runs_dir: Path) -> dict[int, str]:
-    """Every `python -m workers.run` process running a spec under `runs_dir`: pid -> spec."""
-    prefix, found = str(runs_dir).encode() + b"/", {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            if b"workers.run" in argv:
-                found.update({int(entry.name): a.decode() for a in argv if a.startswith(prefix)})
-    return found
+    """Every driver process running a spec under `runs_dir`: pid -> spec."""
+    prefix = str(runs_dir).encode() + b"/"
+    return {pid: a.decode() for pid, argv in workers_run_processes() for a in argv if a.startswith(prefix)}
 
 
 class Race:
