@@ -243,14 +243,6 @@ def get_job(sessions: sessionmaker[Session], *, job_id: str) -> Job | None:
         return s.get(Job, job_id)
 
 
-def list_jobs(sessions: sessionmaker[Session], *, state: JobState | None = None, limit: int = 50,
-              offset: int = 0) -> tuple[list[Job], int]:
-    with _reading(sessions) as s:
-        query, count = _page(select(Job), state, limit, offset)
-        rows = s.scalars(query).all()
-        return list(rows), s.scalar(count)
-
-
 def _page(query, state: JobState | None, limit: int, offset: int):
     """A page of jobs, newest first, and the count of all that match."""
     count = select(func.count()).select_from(Job)
@@ -290,7 +282,7 @@ def job_row(sessions: sessionmaker[Session], *, job_id: str) -> JobRow | None:
 
 def job_rows(sessions: sessionmaker[Session], *, state: JobState | None = None, limit: int = 50,
              offset: int = 0) -> tuple[list[JobRow], int]:
-    """list_jobs for a view."""
+    """A page of jobs, newest first, for a view (GET /v1/jobs), and the count of all that match."""
     query, count = _page(select(*(_JOBS.c[name] for name in JobRow.__slots__)), state, limit, offset)
     with _read_engine(sessions).connect() as conn:
         rows = conn.execute(query).all()

@@ -70,7 +70,7 @@ def gateway() -> FakeGateway:
 
 
 def job_count(app) -> int:
-    return ledger.list_jobs(app.state.ledger)[1]
+    return ledger.job_rows(app.state.ledger)[1]
 
 
 def run_dirs(settings) -> list[str]:

@@ -105,14 +105,14 @@ def test_create_get_list_update_delete(sessions):
     assert ledger.get_job(sessions, job_id="b").submissions == 1
     assert ledger.get_job(sessions, job_id="missing") is None
 
-    rows, total = ledger.list_jobs(sessions)
+    rows, total = ledger.job_rows(sessions)
     assert total == 2 and {j.id for j in rows} == {"a", "b"}
     job = ledger.update_job(sessions, job_id="a", state=JobState.SUBMITTED, pending_submission=True,
                             waiting_since=12.5, submission_id="a-1")
     assert (job.state, job.pending_submission, job.waiting_since, job.submission_id) == ("SUBMITTED", True, 12.5,
                                                                                          "a-1")
     assert ledger.get_job(sessions, job_id="a").pending_submission is True
-    assert [j.id for j in ledger.list_jobs(sessions, state=JobState.SUBMITTED)[0]] == ["a"]
+    assert [j.id for j in ledger.job_rows(sessions, state=JobState.SUBMITTED)[0]] == ["a"]
     assert ledger.count_by_state(sessions)["SUBMITTED"] == 1
 
     assert ledger.delete_job(sessions, job_id="a") is True
