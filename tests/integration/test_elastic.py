@@ -20,6 +20,8 @@ from tests.conftest import ROOT, Outcome, last_json_line, write_spec
 from tests.helpers.paced import GATE_ENV
 from workers.run import START_TIMEOUT_ENV
 
+pytestmark = pytest.mark.ray
+
 SLOT = "elastic_slot"
 
 

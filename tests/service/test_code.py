@@ -221,7 +221,7 @@ def test_with_code_off_archives_and_jobs_that_run_code_get_403(tmp_path, job):
         r = client.post("/v1/jobs", json=job)
         assert r.status_code == 403, r.text
         assert "operator turned users' own code off" in r.json()["detail"]
-        assert ledger.list_jobs(app.state.ledger)[1] == 0
+        assert ledger.job_rows(app.state.ledger)[1] == 0
         assert client.post("/v1/jobs", json=small()).status_code == 201  # built-in models still run
     assert stored_files(settings) == []
 
@@ -241,7 +241,7 @@ def test_a_job_naming_an_unknown_archive_is_refused(client, app, gateway):
     assert r.status_code == 422, r.text
     assert r.json()["message"] == f"code: no code archive {'ab' * 32}; upload it with POST /v1/code " \
                                   "(`etrain submit --code DIR` does both)"
-    assert ledger.list_jobs(app.state.ledger)[1] == 0 and gateway.submitted == {}
+    assert ledger.job_rows(app.state.ledger)[1] == 0 and gateway.submitted == {}
 
 
 def test_a_job_with_code_reaches_ray_with_its_archive(client, app, settings, gateway):
@@ -276,7 +276,7 @@ def test_a_task_lacking_the_hook_its_strategy_needs_is_refused_before_it_is_acce
     assert r.status_code == 422, r.text
     message = r.json()["message"]
     assert message.startswith("task: ") and "tensor_plan" in message and "\n" not in message, message
-    assert ledger.list_jobs(app.state.ledger)[1] == 0 and gateway.submitted == {}
+    assert ledger.job_rows(app.state.ledger)[1] == 0 and gateway.submitted == {}
     # The same task under DDP needs nothing more: accepted.
     r = client.post("/v1/jobs", json=task_job(code_id, job_id="ddp-task"))
     assert r.status_code == 201, r.text
@@ -288,7 +288,7 @@ def test_a_task_that_cannot_be_imported_is_refused(client, app, task_code):
     code_id = upload(client, data).json()["id"]
     r = client.post("/v1/jobs", json=task_job(code_id, task="not_there:make_task"))
     assert r.status_code == 422 and "not_there" in r.json()["message"], r.text
-    assert ledger.list_jobs(app.state.ledger)[1] == 0
+    assert ledger.job_rows(app.state.ledger)[1] == 0
 
 
 def fake_python(tmp_path, script: str) -> str:
@@ -486,4 +486,4 @@ def test_submit_whose_code_is_refused_shows_the_services_reason(server, tmp_path
     line = error_line(CliRunner().invoke(cli, ["submit", str(spec), "--code", str(where)]))
     assert line.startswith(f"error: the service refused the code in {where} (") and \
         "403: the operator turned users' own code off on this service (ETRAIN_ALLOW_CODE=false)" in line, line
-    assert ledger.list_jobs(application.state.ledger)[1] == 0
+    assert ledger.job_rows(application.state.ledger)[1] == 0

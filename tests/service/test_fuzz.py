@@ -116,7 +116,7 @@ def json_client(tmp_path_factory):
 
 def _state(app) -> tuple[int, set[str]]:
     runs = app.state.settings.runs_dir
-    return ledger.list_jobs(app.state.ledger)[1], set(os.listdir(runs)) if os.path.isdir(runs) else set()
+    return ledger.job_rows(app.state.ledger)[1], set(os.listdir(runs)) if os.path.isdir(runs) else set()
 
 
 @settings(max_examples=150, deadline=None, derandomize=True,

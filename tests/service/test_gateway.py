@@ -490,7 +490,10 @@ def test_gateway_against_real_ray(ray_cluster, tmp_path, monkeypatch):
     line = wait_until("actor pids", lambda: next((ln for ln in gateway.logs(actors_sid).splitlines()
                                                    if ln.startswith("PIDS ")), None))
     busy, other = (int(p) for p in line.split()[1:])
-    node = gateway.client.state_list("nodes")[0]["node_id"]
+    # The session's head: earlier tests joined worker nodes to it and stopped them, and
+    # Ray's node list keeps those, DEAD, in any order.
+    nodes = gateway.client.state_list("nodes")
+    node = next(n["node_id"] for n in nodes if n["is_head_node"] and n["state"] == "ALIVE")
     with pytest.raises(ProcessLookupError):  # a live process, but not a Ray actor
         gateway.kill_process(pid=os.getpid(), node_id=node)
     with pytest.raises(ProcessLookupError):  # the right actor, named with another job's submission
@@ -498,9 +501,14 @@ def test_gateway_against_real_ray(ray_cluster, tmp_path, monkeypatch):
     # Ray's state API and its job table are read separately and can trail the PIDS line
     # by a moment on a loaded machine (once in CI: ProcessLookupError here). Wait until
     # both show what kill_process checks, then it must kill.
-    wait_until("the actor, live, in the job's running submission",
-               lambda: (actor := gateway._live_actor(busy, node)) is not None
-               and gateway._owner(actor, actors_sid, "gw-actors") is not None, timeout=60)
+    try:
+        wait_until("the actor, live, in the job's running submission",
+                   lambda: (actor := gateway._live_actor(busy, node)) is not None
+                   and gateway._owner(actor, actors_sid, "gw-actors") is not None, timeout=60)
+    except pytest.fail.Exception:
+        seen = gateway.client.state_list("actors", [("pid", str(busy))], detail=True)
+        pytest.fail(f"node {node}, nodes {gateway.client.state_list('nodes')}, actors with pid {busy}: {seen}, "
+                    f"job {gateway.client.job_info(actors_sid)}")
     gateway.kill_process(pid=busy, node_id=node, submission_id=actors_sid, job_id="gw-actors")
     wait_until("the killed worker gone", lambda: not alive(busy), timeout=30)
     assert alive(other)
