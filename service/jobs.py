@@ -16,7 +16,7 @@ from service import code, ledger, rundir
 from service.gateway import Gateway, GatewayError
 from service.lifecycle import TERMINAL, IllegalTransition, JobState
 from service.settings import Settings
-from workers import events
+from workers import events, metrics_read
 from workers.spec import JobSpec, write_spec_json
 
 
@@ -252,7 +252,7 @@ def inject_fault(settings: Settings, gateway: Gateway, job: ledger.Job, rank: in
         raise ValueError(f"rank {rank} does not exist: job {job.id} has ranks 0..{workers - 1}")
     rd = rundir.run_dir(settings.runs_dir, job.id)
     history = events.events(rd)
-    latest = rundir.latest_metrics(rd)
+    latest = metrics_read.latest(rd)
     now = phase(job, {"phase": rundir.phase(history, latest), "last_step_at": rundir.last_step_at(history, latest)})
     _check_training(job, now, history, latest)
     if rank is None:

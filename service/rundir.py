@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-from workers import checkpoint, events, failures
+from workers import checkpoint, events, failures, metrics_read
 
 _FAILURES = ("worker_failed", "fault_injected", "driver_lost")
 
@@ -15,38 +14,9 @@ def run_dir(runs_root: str, job_id: str) -> str:
     return os.path.join(runs_root, job_id)
 
 
-def tail_records(path: str, limit: int = 1, chunk: int = 65536) -> list[dict[str, Any]]:
-    """The last `limit` whole JSON lines, read from the end of the file: metrics grow
-    one line a step, and status requests must not read them all."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - chunk))
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    if size > chunk:
-        lines = lines[1:]  # the first may be cut
-    out = []
-    for raw in reversed(lines):
-        try:
-            out.append(json.loads(raw))
-        except ValueError:
-            continue
-        if len(out) == limit:
-            break
-    return out[::-1]
-
-
-def latest_metrics(rd: str) -> dict[str, Any] | None:
-    rows = tail_records(os.path.join(rd, events.METRICS))
-    return rows[0] if rows else None
-
-
 def metrics_since(rd: str, since_step: int = 0, limit: int = 10_000) -> list[dict[str, Any]]:
-    rows = [m for m in events.metrics(rd) if m.get("step", 0) > since_step]
-    return rows[:limit]
+    """Every attempt's metrics lines after `since_step`, read from where they start."""
+    return metrics_read.metrics_after(os.path.join(rd, events.METRICS), since_step, limit)
 
 
 def current_run(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -125,7 +95,7 @@ def summary(rd: str) -> dict[str, Any]:
     attempts = [e for e in history if e["event"] == "attempt_started"]
     resumed = [e for e in history if e["event"] == "resumed"]
     finished = next((e for e in reversed(history) if e["event"] == "finished"), None)
-    latest = latest_metrics(rd)
+    latest = metrics_read.latest(rd)
     committed = [e for e in history if e["event"] == "checkpoint_committed"]
     out: dict[str, Any] = {
         "phase": phase(history, latest),

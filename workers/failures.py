@@ -9,7 +9,7 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-from workers import events
+from workers import events, metrics_read
 
 INFRASTRUCTURE = "infrastructure"
 DETERMINISTIC = "deterministic"
@@ -86,9 +86,7 @@ def backoff_s(run_dir: str, attempt: int) -> float:
     if attempt <= 2:
         return 0.0
     starts = {e["attempt"]: e.get("from_step", 0) for e in events.events(run_dir, "attempt_started")}
-    reached: dict[int, int] = {}
-    for m in events.metrics(run_dir):
-        reached[m.get("attempt")] = max(reached.get(m.get("attempt"), 0), m["step"])
+    reached = metrics_read.reached(run_dir)
     # The step each earlier attempt failed at: one past the last it completed.
     failed_at = [reached.get(a, starts.get(a, 0)) + 1 for a in range(1, attempt)]
     repeats = 1

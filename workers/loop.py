@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers import events, failures, recovery, strategies, tasks
+from workers import events, failures, metrics_read, recovery, strategies, tasks
 from workers.checkpointing import CheckpointManager, rng_state, seed_everything, set_rng_state
 from workers.data.loader import read
 from workers.data.sampler import ResumableDistributedSampler
@@ -110,7 +110,7 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
     try:
         return _train(spec, env, watchdog)
     except Exception as exc:
-        reached = max((m["step"] for m in events.metrics(spec.run_dir)), default=0)
+        reached = max(metrics_read.reached(spec.run_dir).values(), default=0)
         kind = failures.record_worker_error(spec.run_dir, exc, rank=env.rank, step=watchdog.step + 1,
                                             attempt=watchdog.attempt, completed_steps=max(watchdog.step, reached),
                                             activity=watchdog.activity)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from workers import checkpoint, events, failures
+from workers import checkpoint, events, failures, metrics_read
 
 
 class Recovery:
@@ -24,7 +24,10 @@ class Recovery:
         culprit = failures.culprit(failed) or {}
         self.failed_rank = culprit.get("rank")
         self.cause = culprit.get("kind") or culprit.get("error") or "unknown"
-        progress = [m for m in events.metrics(run_dir) if m.get("attempt") == attempts[-1].get("attempt")]
+        # Metrics are sorted by (attempt, step) (metrics_read), so the newest line says how
+        # far the previous attempt got, if it is that attempt's.
+        last = metrics_read.latest(run_dir)
+        progress = [last] if last and last.get("attempt") == attempts[-1].get("attempt") else []
         self.reached_step = max((m["step"] for m in progress), default=from_step)
         self.failure_time = min((e["time"] for e in failed), default=time.time())
         if world_size is not None and world_size > attempts[-1].get("world_size", world_size):

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from workers import events, failures, ray_token
+from workers import events, failures, metrics_read, ray_token
 from workers.spec import JobSpec, absolute_paths, load_spec, write_spec_json
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC = 0, 1, 2
@@ -110,7 +110,7 @@ def note_lost_driver(run_dir: str) -> None:
     starts = [i for i, e in enumerate(history) if e["event"] == "job_started"]
     if not starts or any(e["event"] in ("finished", "failed") for e in history[starts[-1]:]):
         return
-    last_seen = max([e["time"] for e in history] + [m["time"] for m in events.metrics(run_dir)[-1:]])
+    last_seen = max([e["time"] for e in history] + [m["time"] for m in filter(None, [metrics_read.latest(run_dir)])])
     events.emit(run_dir, "driver_lost", time=last_seen, noticed_at=time.time(), error="driver process lost",
                 pid=history[starts[-1]].get("pid"))
 
@@ -139,7 +139,7 @@ def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]
     summary: dict[str, Any] = {
         "job_id": spec.job_id,
         "status": status,
-        "final_step": (finished or {}).get("final_step", max((m["step"] for m in events.metrics(run_dir)), default=0)),
+        "final_step": (finished or {}).get("final_step", max(metrics_read.reached(run_dir).values(), default=0)),
         "loss": (finished or {}).get("loss"),
         "val_accuracy": (finished or {}).get("val_accuracy"),
         "val_loss": (finished or {}).get("val_loss"),
