@@ -1,7 +1,8 @@
 """Keeps the ledger in step with Ray and the run directories.
 
 Stateless between ticks: everything it needs is in the ledger, Ray's job table and the
-run directory, so after an API restart the next tick simply picks up where things are.
+run directory, so after an API restart the next tick simply picks up where things are
+(it keeps the events it parsed only so as not to parse them again).
 Each tick observes a job, asks service.decide what to do, and does it; every change to
 a job's row is a compare-and-set, so any number of API replicas may reconcile one ledger.
 """
@@ -16,6 +17,7 @@ import time
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import decide, jobs, ledger, rundir
+from workers import events
 from service.decide import Action, Do, Seen
 from service.gateway import Gateway, GatewayError
 from service.lifecycle import TERMINAL, IllegalTransition, JobState
@@ -58,6 +60,7 @@ class Reconciler:
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, metrics=None):
         self.sessions, self.settings, self.gateway, self.metrics = sessions, settings, gateway, metrics
         self.health = Health(settings.reconcile_interval_s)
+        self.histories = events.Histories()
 
     def tick(self) -> None:
         active = ledger.active_jobs(self.sessions)
@@ -65,6 +68,7 @@ class Reconciler:
         statuses = self.gateway.job_statuses() if any(self._asks_ray(job) for job in active) else {}
         # Oldest first (active_jobs' order): a queued job takes the room a job ahead of it left.
         on_ray = sum(job.state != JobState.QUEUED.value for job in active)
+        self.histories.keep_only({rundir.run_dir(self.settings.runs_dir, job.id) for job in active})
         for job in active:
             room = self.settings.max_active_jobs is None or on_ray < self.settings.max_active_jobs
             try:
@@ -102,7 +106,8 @@ class Reconciler:
             status = statuses.get(job.submission_id)
         else:
             status = self.gateway.status(job.submission_id)
-        info = rundir.summary(rundir.run_dir(self.settings.runs_dir, job.id))
+        rd = rundir.run_dir(self.settings.runs_dir, job.id)
+        info = rundir.summary(rd, self.histories.of(rd))
         if self.metrics is not None:
             self.metrics.observe_job(job.id, info)
         phase = jobs.phase(job, info)

@@ -89,9 +89,10 @@ def _one_line(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def summary(rd: str) -> dict[str, Any]:
-    """Progress, recovery counts, the newest checkpoint and the error, for a job's status."""
-    history = events.events(rd)
+def summary(rd: str, history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Progress, recovery counts, the newest checkpoint and the error, for a job's status.
+    `history`: the run directory's events when the caller keeps them (events.Histories)."""
+    history = events.events(rd) if history is None else history
     attempts = [e for e in history if e["event"] == "attempt_started"]
     resumed = [e for e in history if e["event"] == "resumed"]
     finished = next((e for e in reversed(history) if e["event"] == "finished"), None)

@@ -97,6 +97,35 @@ class Tail:
         return out
 
 
+class Histories:
+    """Each run directory's events, parsed once: events.jsonl only grows (O_APPEND), so a
+    reader that keeps what it parsed needs only what was appended since. The reconciler
+    reads every active job's history each tick; a long job's would be parsed whole each time.
+    A file that shrank or was replaced (a deleted job's id used again) is read afresh."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, Tail, list[dict[str, Any]]]] = {}
+
+    def of(self, run_dir: str) -> list[dict[str, Any]]:
+        path = os.path.join(run_dir, EVENTS)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._seen.pop(path, None)
+            return []
+        kept = self._seen.get(path)
+        if kept is None or kept[0] != st.st_ino or st.st_size < kept[1].offset:
+            kept = self._seen[path] = (st.st_ino, Tail(path), [])
+        kept[2].extend(kept[1].read())
+        return kept[2]
+
+    def keep_only(self, run_dirs: set[str]) -> None:
+        """Forget the run directories not named (jobs no longer active)."""
+        keep = {os.path.join(rd, EVENTS) for rd in run_dirs}
+        for path in set(self._seen) - keep:
+            del self._seen[path]
+
+
 def driver_logs(rd: str) -> list[str]:
     """The run record's driver output files, oldest first (their names start with the UTC
     time the driver started)."""

@@ -316,10 +316,10 @@ def test_one_failing_job_does_not_stop_the_others(client, app, settings, gateway
         set_ray(gateway, name, "RUNNING")
     summary = rundir.summary
 
-    def unreadable_t1(path: str) -> dict:
+    def unreadable_t1(path: str, *history) -> dict:
         if path.endswith("t1"):
             raise OSError("t1's run record is unreadable")
-        return summary(path)
+        return summary(path, *history)
 
     monkeypatch.setattr(rundir, "summary", unreadable_t1)
     tick(app)

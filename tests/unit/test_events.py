@@ -71,3 +71,28 @@ def test_metrics_round_trip(tmp_path):
     assert got[2]["loss"] == pytest.approx(1 / 3)
     assert all("time" in m for m in got)
     assert events.events(str(tmp_path)) == []  # metrics go to their own file
+
+
+def test_histories_parse_only_what_was_appended_and_match_a_full_read(tmp_path):
+    rd = str(tmp_path / "run")
+    histories = events.Histories()
+    assert histories.of(rd) == []
+    (tmp_path / "run").mkdir()
+    for i in range(3):
+        events.emit(rd, "tick", i=i)
+    first = histories.of(rd)
+    assert [e["i"] for e in first] == [0, 1, 2]
+    # a writer killed mid-line, then more records: the same as a full read, torn line skipped
+    with open(tmp_path / "run" / events.EVENTS, "ab") as f:
+        f.write(b'{"event": "tick", "i"')
+    assert [e["i"] for e in histories.of(rd)] == [0, 1, 2]
+    events.emit(rd, "tick", i=3)
+    assert histories.of(rd) == events.events(rd) and [e["i"] for e in histories.of(rd)] == [0, 1, 2, 3]
+
+    # the run directory replaced (a deleted job's id used again): read afresh
+    (tmp_path / "run" / events.EVENTS).unlink()
+    events.emit(rd, "tick", i=9)
+    assert [e["i"] for e in histories.of(rd)] == [9]
+
+    histories.keep_only(set())
+    assert histories._seen == {}
