@@ -28,7 +28,20 @@ def signature(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+# The errors a program makes of its own: whatever their message says ("timeout must be
+# positive", "peer list is empty"), they are the training code's, never a peer's.
+_PROGRAMMING = (ValueError, TypeError, LookupError, AttributeError, NameError, AssertionError, ArithmeticError,
+                NotImplementedError, ImportError, SyntaxError)
+
+
 def is_communication_error(exc: BaseException) -> bool:
+    """A peer's or the network's failure, as a rank sees it. torch's collectives and gloo
+    raise RuntimeError (or its DistError subclasses) with the cause only in the message,
+    so the message is read, but only for errors that are not a program's own mistakes."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, _PROGRAMMING):
+        return False
     text = f"{type(exc).__name__} {exc}".lower()
     return any(marker in text for marker in _COMMUNICATION)
 

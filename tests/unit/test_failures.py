@@ -35,6 +35,20 @@ def test_communication_errors_and_injected_faults_are_infrastructure(exc, comple
     assert classify(exc, step=13, completed_steps=completed, history=history) == INFRASTRUCTURE
 
 
+@pytest.mark.parametrize("exc", [
+    ValueError("timeout must be positive, got -1"),
+    KeyError("peer"),
+    TypeError("socket_path must be str"),
+    AssertionError("gloo backend expected"),
+], ids=["value", "key", "type", "assert"])
+def test_a_programs_own_error_mentioning_the_network_is_not_infrastructure(exc):
+    # Before: any error whose text said "timeout", "peer", "socket" or "gloo" was taken
+    # for a peer's failure and retried, however often it repeated.
+    assert classify(exc, step=1, completed_steps=0, history=[]) == DETERMINISTIC
+    history = [{"signature": signature(exc), "step": 13}]
+    assert classify(exc, step=13, completed_steps=12, history=history) == DETERMINISTIC
+
+
 def test_an_error_before_the_first_step_is_deterministic():
     exc = ValueError("mat1 and mat2 shapes cannot be multiplied (64x784 and 100x10)")
     assert classify(exc, step=1, completed_steps=0, history=[]) == DETERMINISTIC
