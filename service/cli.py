@@ -459,11 +459,12 @@ def status(job_id: str, output: OutputOpt = Output.text, url: UrlOpt = "http://1
 
 @app.command()
 def logs(job_id: str, follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
+         tail: Annotated[int | None, typer.Option("--tail", "-n", min=1, help="Only the last N lines.")] = None,
          url: UrlOpt = "http://127.0.0.1:8000", data_dir: DataDirOpt = None):
-    """The job's output; -f follows it live."""
+    """The job's output (every driver's, oldest first); -n N its last N lines; -f follows it live."""
     with _client(url, data_dir) as client:
         if not follow:
-            response = client.get(f"/v1/jobs/{job_id}/logs")
+            response = client.get(f"/v1/jobs/{job_id}/logs", params={"tail": tail} if tail else None)
             if response.status_code >= 400:
                 _call(response)
             sys.stdout.write(response.text)

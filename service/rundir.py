@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from workers import checkpoint, events, failures, metrics_read
@@ -161,14 +162,60 @@ def live_ranks(history: list[dict[str, Any]]) -> list[int]:
     return sorted({e["rank"] for e in started if e.get("attempt", 0) == attempt})
 
 
-def driver_output(rd: str) -> str | None:
+def _header(i: int, n: int, path: str) -> str:
+    return f"===== driver {i} of {n} ({os.path.basename(path)}) =====\n"
+
+
+def driver_output(rd: str, tail: int | None = None) -> str | None:
     """Every driver's output, oldest first, each under a header line; None when the run
-    record holds none (a run from before drivers kept theirs)."""
+    record holds none (a run from before drivers kept theirs). With `tail`, only the last
+    `tail` lines of that, read from the ends of the newest files (a long job's output is
+    large, and the web page asks for its last lines every few seconds)."""
     files = events.driver_logs(rd)
     if not files:
         return None
+    if tail is not None:
+        return _driver_output_tail(files, tail)
     parts = []
     for i, path in enumerate(files, 1):
-        with open(path, errors="replace") as f:
-            parts.append(f"===== driver {i} of {len(files)} ({os.path.basename(path)}) =====\n{f.read()}")
+        with open(path, errors="replace", newline="") as f:  # as written: a progress bar's \r stays
+            parts.append(_header(i, len(files), path) + f.read())
     return "".join(p if p.endswith("\n") else p + "\n" for p in parts)
+
+
+_LOG_BLOCK = 65536
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines with their newlines, split at newlines only (str.splitlines also splits at
+    the carriage returns a progress bar writes)."""
+    return re.findall(r"[^\n]*\n|[^\n]+$", text)
+
+
+def _last_lines(path: str, n: int) -> tuple[list[str], bool]:
+    """A file's last `n` lines, split at newlines only (a progress bar's carriage returns
+    stay in its line; the last line gets a newline if it lacked one), and whether they
+    are all the file holds."""
+    with open(path, "rb") as f:
+        pos = f.seek(0, os.SEEK_END)
+        data = b""
+        while pos > 0 and data.count(b"\n") <= n:
+            step = min(_LOG_BLOCK, pos)
+            pos -= step
+            f.seek(pos)
+            data = f.read(step) + data
+    parts = data.split(b"\n")
+    raw = [p + b"\n" for p in parts[:-1]] + ([parts[-1] + b"\n"] if parts[-1] else [])
+    whole = pos == 0 and len(raw) <= n
+    # Decoded line by line: a block boundary inside a character only touches a line not kept.
+    return [line.decode(errors="replace") for line in raw[-n:]] if n else [], whole
+
+
+def _driver_output_tail(files: list[str], n: int) -> str:
+    out: list[str] = []
+    for i in range(len(files), 0, -1):
+        if len(out) >= n:
+            break
+        lines, whole = _last_lines(files[i - 1], n - len(out))
+        out[:0] = ([_header(i, len(files), files[i - 1])] if whole else []) + lines
+    return "".join(out[-n:] if n else [])

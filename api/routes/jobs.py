@@ -122,17 +122,19 @@ def delete_job(job_id: str, sessions: LedgerDep, settings: SettingsDep) -> Respo
 async def job_logs(
     job_id: str, sessions: LedgerDep, settings: SettingsDep, gateway: GatewayDep,
     follow: Annotated[bool, Query(description="Stream new output until the job ends.")] = False,
+    tail: Annotated[int | None, Query(ge=1, le=1_000_000, description="Only the last N lines.")] = None,
 ):
     """The job's output: every driver's (workers' output included), oldest first, from the
-    run record; with follow, the current driver's live from Ray."""
+    run record; with tail, its last lines only; with follow, the current driver's live from Ray."""
     job = await run_in_threadpool(_get, sessions, job_id)
     if not job.submission_id:
         return PlainTextResponse("")
     if not follow:
-        kept = await run_in_threadpool(rundir.driver_output, rundir.run_dir(settings.runs_dir, job_id))
+        kept = await run_in_threadpool(rundir.driver_output, rundir.run_dir(settings.runs_dir, job_id), tail)
         if kept is not None:  # every driver's output, kept in the run record
             return PlainTextResponse(kept)
-        return PlainTextResponse(await run_in_threadpool(gateway.logs, job.submission_id))
+        text = await run_in_threadpool(gateway.logs, job.submission_id)
+        return PlainTextResponse("".join(rundir.split_lines(text)[-tail:]) if tail else text)
 
     async def stream():
         try:

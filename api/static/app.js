@@ -307,7 +307,7 @@ class JobView {
 
   async refreshSlow() {
     const [checkpoints, logs] = await Promise.all([
-      getJSON(`${this.path}/checkpoints`), api("GET", `${this.path}/logs`).then((r) => (r.ok ? r.text() : ""))]);
+      getJSON(`${this.path}/checkpoints`), api("GET", `${this.path}/logs?tail=50`).then((r) => (r.ok ? r.text() : ""))]);
     $("#no-checkpoints", this.root).hidden = checkpoints.data.length > 0;
     $("#checkpoints tbody", this.root).replaceChildren(...checkpoints.data.slice().reverse().map((c) => html(
       `<table><tr><td class="num">${c.step}</td><td class="num">${c.epoch ?? "–"}</td><td class="num">${fmt(c.loss)}</td>

@@ -67,6 +67,8 @@ def test_submit_list_status_logs_fault_cancel(server, tmp_path):
     assert json.loads(run(cli, ["list", "-o", "json"]).output)["count"] == 1
     logs = run(cli, ["logs", "cli-job"])
     assert logs.exit_code == 0 and "logs of etrain-cli-job-1" in logs.output
+    last = run(cli, ["logs", "cli-job", "-n", "1"])
+    assert last.exit_code == 0 and last.output == "logs of etrain-cli-job-1\n", last.output
 
     early = run(cli, ["fault", "cli-job", "--rank", "1"])  # no worker up yet
     assert early.exit_code == 1 and "is starting: its workers are not up yet" in early.output

@@ -8,8 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as settings_
+from hypothesis import strategies as st
 
-from service import ledger
+from service import ledger, rundir
 from service.lifecycle import JobState
 from service.settings import Settings
 from tests.conftest import ROOT
@@ -59,6 +62,38 @@ def test_logs_are_every_drivers_output_from_the_run_record(client, app, settings
 def test_logs_without_copies_in_the_run_record_come_from_ray(client):
     create(client, "old-run")
     assert client.get("/v1/jobs/old-run/logs").text == "logs of etrain-old-run-1\n"
+    assert client.get("/v1/jobs/old-run/logs?tail=1").text == "logs of etrain-old-run-1\n"
+
+
+DRIVER_FILES = st.lists(st.lists(st.sampled_from(["step 5", "é", "\r50%\r100%", "", "a" * 40]), max_size=30)
+                        .map("\n".join).flatmap(lambda text: st.sampled_from([text, text + "\n"])),
+                        min_size=1, max_size=4)
+
+
+@settings_(max_examples=150, deadline=None)
+@given(files=DRIVER_FILES, n=st.integers(1, 70), block=st.sampled_from([3, 16, 65536]))
+def test_a_tail_of_the_logs_is_the_last_lines_of_the_whole(tmp_path_factory, files, n, block):
+    rd = str(tmp_path_factory.mktemp("rd"))
+    os.makedirs(os.path.join(rd, events.DRIVER_LOGS))
+    for i, text in enumerate(files):
+        with open(os.path.join(rd, events.DRIVER_LOGS, f"driver-20261203T1000{i:02d}-{i}.log"), "w") as f:
+            f.write(text)
+    whole = rundir.driver_output(rd)
+    original, rundir._LOG_BLOCK = rundir._LOG_BLOCK, block  # small blocks: many reads back from the end
+    try:
+        assert rundir.driver_output(rd, tail=n) == "".join(rundir.split_lines(whole)[-n:])
+    finally:
+        rundir._LOG_BLOCK = original
+
+
+def test_the_logs_tail_query_and_cli_option(client, settings):
+    create(client, "long")
+    logs = os.path.join(settings.runs_dir, "long", events.DRIVER_LOGS)
+    os.makedirs(logs)
+    with open(os.path.join(logs, "driver-20261203T100000-11.log"), "w") as f:
+        f.writelines(f"step {i}\n" for i in range(1, 100_001))
+    assert client.get("/v1/jobs/long/logs?tail=3").text == "step 99998\nstep 99999\nstep 100000\n"
+    assert client.get("/v1/jobs/long/logs?tail=0").status_code == 422
 
 
 def test_the_entrypoint_copies_its_whole_output_into_the_run_record(tmp_path):
