@@ -11,6 +11,8 @@ from typing import Annotated
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from workers.spec import check_storage
+
 # What must never reach a job: Ray jobs inherit the head's environment, and the head
 # `etrain serve` starts inherits serve's.
 SECRET_ENV = ("ETRAIN_TOKEN", "DATABASE_URL", "ETRAIN_DATABASE_URL")
@@ -76,6 +78,11 @@ class Settings(BaseSettings):
         60.0, gt=0, le=3600,
         description="Seconds a job's task may take to import when its hooks are checked at submission.",
     )
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_every_node_reaches(cls, value: str | None) -> str | None:
+        return None if value is None else check_storage(value)
 
     @field_validator("dataset_roots", mode="before")
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -34,6 +35,16 @@ def default_storage() -> str:
         return env
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     return os.path.join(cache, "elastic-train", "runs")
+
+
+def check_storage(value: str) -> str:
+    """Storage must be a path every process reaches: an object store URI (s3://, gs://)
+    would become a local directory named `s3:` on each host, which is silently wrong."""
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", value)
+    if scheme and scheme.group(1).lower() != "file":
+        raise ValueError(f"storage {value!r}: object storage ({scheme.group(1)}://) is not supported yet; use a "
+                         "local path, or a shared filesystem mounted at the same path on every node")
+    return value[len("file://"):] if scheme else value
 
 
 class _Part(BaseModel):
@@ -323,7 +334,8 @@ class JobSpec(_Part):
     )
     failure: Annotated[FailureSpec, Field(default_factory=FailureSpec)]
     faults: list[FaultSpec] = Field(default_factory=list, max_length=100)
-    storage: str = Field(default_factory=default_storage, description="Root under which run directories live.")
+    storage: str = Field(default_factory=default_storage, validate_default=True,
+                         description="Root under which run directories live: a path every node reaches.")
     task: str | None = Field(
         None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
         description="Your own training task, 'module:function': function(task_config) returns an object with "
@@ -344,6 +356,11 @@ class JobSpec(_Part):
     )
 
     _shorthand_model = field_validator("model", mode="before")(_name_shorthand)
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_every_node_reaches(cls, value: str) -> str:
+        return check_storage(value)
     _shorthand_dataset = field_validator("dataset", mode="before")(_name_shorthand)
 
     @model_validator(mode="after")

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
 from api.app import create_app
 from api.deps import get_gateway
@@ -169,6 +170,12 @@ def test_storage_in_the_body_is_rejected(client, app, settings):
     assert r.json()["message"].startswith("storage:") and "chosen by the service" in r.json()["message"]
     assert r.json()["detail"][0]["loc"] == ["body", "storage"]
     assert job_count(app) == 0 and run_dirs(settings) == []
+
+
+def test_a_service_configured_with_object_storage_refuses_to_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("ETRAIN_STORAGE", "s3://bucket/runs")
+    with pytest.raises(ValidationError, match="storage 's3://bucket/runs': object storage .* not supported yet"):
+        Settings(data_dir=tmp_path)
 
 
 def _outside_paths(settings) -> list[tuple[str, dict]]:

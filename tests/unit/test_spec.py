@@ -46,6 +46,20 @@ def test_max_steps_does_not_get_default_epochs():
     assert spec.training.max_steps == 7 and spec.training.epochs is None
 
 
+@pytest.mark.parametrize("uri", ["s3://bucket/runs", "gs://bucket/runs", "S3://Bucket/x", "abfss://c@a/x"])
+def test_object_storage_is_refused_not_made_a_local_directory(uri, monkeypatch):
+    # Before, `s3://bucket/runs` became a local directory `s3:/bucket/runs` on each host.
+    with pytest.raises(ValidationError, match=re.escape(f"storage {uri!r}: object storage")):
+        JobSpec.model_validate({"storage": uri})
+    monkeypatch.setenv("ETRAIN_STORAGE", uri)
+    with pytest.raises(ValidationError, match="is not supported yet; use a local path, or a shared filesystem"):
+        JobSpec.model_validate({})
+
+
+def test_a_file_uri_is_its_path():
+    assert JobSpec.model_validate({"storage": "file:///mnt/shared/runs"}).storage == "/mnt/shared/runs"
+
+
 def test_default_storage_follows_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("ETRAIN_STORAGE", str(tmp_path / "custom"))
     assert default_storage() == str(tmp_path / "custom")
