@@ -54,6 +54,10 @@ class RecordsPublic(BaseModel):
     count: int
 
 
+class EventsPublic(RecordsPublic):
+    next_offset: int = Field(description="Where the next read starts: pass it as ?offset= for the newer events.")
+
+
 class FaultCreate(BaseModel):
     rank: int | None = Field(None, ge=0, description="World rank to kill; a random one when omitted.")
 

@@ -370,11 +370,14 @@ def watch_job(client: httpx.Client, job_id: str, on_tick=None, interval_s: float
     notes: list[str] = []
     seen, announced = 0, False
     job, down_since = None, None
+    history: list[dict] = []
+    offset = 0  # the events file only grows: each poll asks for what was written since the last
     with Live(console=console, refresh_per_second=4) as live:
         while True:
             try:
                 job = _poll(client, f"/v1/jobs/{job_id}")
-                history = _poll(client, f"/v1/jobs/{job_id}/events")["data"]
+                newer = _poll(client, f"/v1/jobs/{job_id}/events?offset={offset}")
+                history, offset = history + newer["data"], newer["next_offset"]
             except _Unreachable:
                 down_since = down_since or time.monotonic()
                 live.update(_progress_table(job_id, job, notes, "[yellow]API unreachable, retrying...[/yellow]"))

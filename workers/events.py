@@ -97,6 +97,18 @@ class Tail:
         return out
 
 
+def events_from(run_dir: str, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The events written after byte `offset` (a previous answer's end), and where the next
+    read starts: the end of the last whole line (a line still being written waits)."""
+    tail = Tail(os.path.join(run_dir, EVENTS))
+    try:
+        size = os.path.getsize(tail.path)
+    except FileNotFoundError:
+        return [], 0
+    tail.offset = min(offset, size)
+    return tail.read(), tail.offset
+
+
 class Histories:
     """Each run directory's events, parsed once: events.jsonl only grows (O_APPEND), so a
     reader that keeps what it parsed needs only what was appended since. The reconciler

@@ -10,7 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from api.deps import AuthDep, GatewayDep, LedgerDep, SettingsDep
-from api.schemas import FaultCreate, FaultPublic, JobPublic, JobsPublic, RecordsPublic
+from api.schemas import EventsPublic, FaultCreate, FaultPublic, JobPublic, JobsPublic, RecordsPublic
 from service import admission, jobs, ledger, rundir
 from service.gateway import GatewayError
 from service.lifecycle import JobState
@@ -157,11 +157,16 @@ def job_metrics(
     return RecordsPublic(data=rows, count=len(rows))
 
 
-@router.get("/{job_id}/events", response_model=RecordsPublic)
-def job_events(job_id: str, sessions: LedgerDep, settings: SettingsDep) -> RecordsPublic:
+@router.get("/{job_id}/events", response_model=EventsPublic)
+def job_events(
+    job_id: str, sessions: LedgerDep, settings: SettingsDep,
+    offset: Annotated[int, Query(ge=0, description="Only the events written after this byte offset: the "
+                                                   "`next_offset` of the previous answer.")] = 0,
+) -> EventsPublic:
+    """The run record's events, oldest first; with offset, only the newer ones."""
     _get(sessions, job_id)
-    rows = events.events(rundir.run_dir(settings.runs_dir, job_id))
-    return RecordsPublic(data=rows, count=len(rows))
+    rows, next_offset = events.events_from(rundir.run_dir(settings.runs_dir, job_id), offset)
+    return EventsPublic(data=rows, count=len(rows), next_offset=next_offset)
 
 
 @router.get("/{job_id}/checkpoints", response_model=RecordsPublic)

@@ -228,6 +228,7 @@ class JobView {
     this.rows = [];
     this.maxStep = 0;
     this.events = [];
+    this.eventsOffset = 0;
     this.job = null;
     this.tick = 0;
     this.root = html(`
@@ -287,12 +288,17 @@ class JobView {
   }
 
   async refresh() {
-    const since = this.maxStep;
+    const since = this.maxStep, offset = this.eventsOffset;
     const [job, metrics, events] = await Promise.all([
-      getJSON(this.path), getJSON(`${this.path}/metrics?since_step=${since}`), getJSON(`${this.path}/events`)]);
+      getJSON(this.path), getJSON(`${this.path}/metrics?since_step=${since}`), getJSON(`${this.path}/events?offset=${offset}`)]);
     const ended = this.job && !TERMINAL.has(this.job.state) && TERMINAL.has(job.state);
     this.job = job;
-    this.events = events.data;
+    // The events file only grows: ask for what was written since the last answer (unless
+    // another refresh, overlapping this one, already took them).
+    if (offset === this.eventsOffset) {
+      this.events.push(...events.data);
+      this.eventsOffset = events.next_offset;
+    }
     // Steps recomputed after a failure come again with numbers already seen; training is
     // deterministic, so the first rows stand for them.
     for (const row of metrics.data) {

@@ -622,6 +622,12 @@ def test_job_views_read_the_run_directory(client, settings):
     assert client.get("/v1/jobs/seen/metrics?limit=1").json()["count"] == 1
     evs = client.get("/v1/jobs/seen/events").json()
     assert [e["event"] for e in evs["data"]] == ["attempt_started", "checkpoint_committed"]
+    # Only what was written since: the page asks with the previous answer's next_offset.
+    assert client.get(f"/v1/jobs/seen/events?offset={evs['next_offset']}").json()["count"] == 0
+    events.emit(rd, "resumed", attempt=2)
+    newer = client.get(f"/v1/jobs/seen/events?offset={evs['next_offset']}").json()
+    assert [e["event"] for e in newer["data"]] == ["resumed"] and newer["next_offset"] > evs["next_offset"]
+    assert client.get("/v1/jobs/seen/events?offset=-1").status_code == 422
     assert client.get("/v1/jobs/seen/checkpoints").json() == {"data": [], "count": 0}  # none on disk
     assert client.get("/v1/jobs/seen/logs").text == "logs of etrain-seen-1\n"
     assert client.get("/v1/jobs/seen/logs?follow=true").text == "logs of etrain-seen-1\n"
