@@ -183,7 +183,23 @@ def clear_partial(run_dir: str) -> None:
             shutil.rmtree(os.path.join(root(run_dir), name), ignore_errors=True)
 
 
+def _array_globals() -> list[Any]:
+    """What unpickling a NumPy array needs (a rank's RNG state holds NumPy's as one): it
+    builds an array and nothing else."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # NumPy 1.x
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def load_shard(path: str, name: str) -> Any:
+    """torch.load with weights_only: storage that other users or jobs can write (a shared
+    filesystem) could hold a crafted pickle, which a full unpickle would run. Shards hold
+    tensors and plain values, and NumPy's RNG state, whose arrays are allowed by name."""
     import torch
 
-    return torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
+    with torch.serialization.safe_globals(_array_globals()):
+        return torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)

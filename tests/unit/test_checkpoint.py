@@ -188,3 +188,49 @@ def test_clear_partial_removes_temporaries_only(tmp_path):
 def test_clear_partial_without_checkpoints_is_a_no_op(tmp_path):
     ckpt.clear_partial(str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+class _Planted:
+    """A pickle that runs code when loaded: what a crafted shard on shared storage would hold."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_shard_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    import pickle
+
+    import torch
+
+    marker = tmp_path / "ran"
+    (tmp_path / "state.pt").write_bytes(pickle.dumps({"step": 1, "x": _Planted(str(marker))}, protocol=2))
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        ckpt.load_shard(str(tmp_path), "state.pt")
+    assert not marker.exists()
+    torch.save({"step": 1, "x": _Planted(str(marker))}, tmp_path / "saved.pt")
+    marker.unlink(missing_ok=True)
+    with pytest.raises(pickle.UnpicklingError):
+        ckpt.load_shard(str(tmp_path), "saved.pt")
+    assert not marker.exists()
+
+
+def test_a_ranks_rng_state_round_trips_through_a_weights_only_load(tmp_path):
+    import random
+
+    import numpy as np
+    import torch
+
+    from workers.checkpointing import rng_state
+
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    state = rng_state()
+    torch.save(state, tmp_path / "rng-rank0.pt")
+    loaded = ckpt.load_shard(str(tmp_path), "rng-rank0.pt")
+    assert loaded["python"] == state["python"] and torch.equal(loaded["torch"], state["torch"])
+    assert loaded["numpy"][0] == state["numpy"][0] and (loaded["numpy"][1] == state["numpy"][1]).all()
+    assert loaded["numpy"][2:] == state["numpy"][2:]
