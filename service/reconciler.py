@@ -17,11 +17,11 @@ import time
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import decide, jobs, ledger, rundir
-from workers import events
 from service.decide import Action, Do, Seen
 from service.gateway import Gateway, GatewayError
 from service.lifecycle import TERMINAL, IllegalTransition, JobState
 from service.settings import Settings
+from workers import events
 
 log = logging.getLogger("etrain.reconciler")
 

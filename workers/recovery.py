@@ -13,13 +13,14 @@ class Recovery:
     """What the previous attempt lost, worked out from the run directory."""
 
     def __init__(self, run_dir: str, from_step: int, world_size: int | None = None):
-        attempts = events.events(run_dir, "attempt_started")
+        history = events.events(run_dir)
+        attempts = [e for e in history if e["event"] == "attempt_started"]
         self.attempt, self.from_step = len(attempts) + 1, from_step
         self.pending = self.attempt > 1
         if not self.pending:
             return
         since = attempts[-1]["time"]
-        recent = [e for e in events.events(run_dir) if e["time"] >= since]
+        recent = [e for e in history if e["time"] >= since]
         failed = [e for e in recent if e["event"] in ("fault_injected", "worker_failed", "driver_lost")]
         culprit = failures.culprit(failed) or {}
         self.failed_rank = culprit.get("rank")
@@ -27,14 +28,15 @@ class Recovery:
         # Metrics are sorted by (attempt, step) (metrics_read), so the newest line says how
         # far the previous attempt got, if it is that attempt's.
         last = metrics_read.latest(run_dir)
-        progress = [last] if last and last.get("attempt") == attempts[-1].get("attempt") else []
-        self.reached_step = max((m["step"] for m in progress), default=from_step)
+        if last is not None and last.get("attempt") != attempts[-1].get("attempt"):
+            last = None  # the previous attempt completed no step
+        self.reached_step = last["step"] if last else from_step
         self.failure_time = min((e["time"] for e in failed), default=time.time())
         if world_size is not None and world_size > attempts[-1].get("world_size", world_size):
             # An elastic job grown by Ray: it kills the old workers (their errors are only
             # echoes of that), so their last step is when that attempt ended.
             self.cause, self.failed_rank = "resize", None
-            self.failure_time = max((m["time"] for m in progress), default=attempts[-1]["time"])
+            self.failure_time = last["time"] if last else attempts[-1]["time"]
         self.from_step = from_step
 
     def record(self, run_dir: str) -> dict[str, Any]:

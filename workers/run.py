@@ -110,7 +110,8 @@ def note_lost_driver(run_dir: str) -> None:
     starts = [i for i, e in enumerate(history) if e["event"] == "job_started"]
     if not starts or any(e["event"] in ("finished", "failed") for e in history[starts[-1]:]):
         return
-    last_seen = max([e["time"] for e in history] + [m["time"] for m in filter(None, [metrics_read.latest(run_dir)])])
+    latest = metrics_read.latest(run_dir)
+    last_seen = max([e["time"] for e in history] + ([latest["time"]] if latest else []))
     events.emit(run_dir, "driver_lost", time=last_seen, noticed_at=time.time(), error="driver process lost",
                 pid=history[starts[-1]].get("pid"))
 
