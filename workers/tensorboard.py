@@ -7,7 +7,9 @@ series: steps recomputed after a worker restart are logged again, and a driver t
 service starts again on the same run directory would read everything again. So a step
 is written only past the last one written, and that progress (with the byte offsets
 read up to) lives in progress.json beside the event files, replaced atomically after
-the event file is flushed.
+the event file is flushed. A driver that died between the two had written points past
+the progress it saved; the next driver opens its event file with `purge_step` just past
+that progress, and TensorBoard hides what the earlier files hold from there on.
 """
 
 from __future__ import annotations
@@ -37,17 +39,20 @@ class BoardWriter:
         self.metrics = Tail(os.path.join(run_dir, events.METRICS))
         self.events = Tail(os.path.join(run_dir, events.EVENTS))
         self.last_step = self.last_val_step = 0
-        self._load()
+        # After an earlier driver: its points past the progress it saved are hidden.
+        self.purge_step = self.last_step + 1 if self._load() else None
         self.writer = None  # opened on the first point: a new event file per driver
 
-    def _load(self) -> None:
+    def _load(self) -> bool:
+        """An earlier driver's progress; False when there is none."""
         try:
             with open(os.path.join(self.dir, PROGRESS)) as f:
                 saved = json.load(f)
         except (FileNotFoundError, ValueError):
-            return  # none yet (or unreadable): start from the beginning of the files
+            return False  # none yet (or unreadable): start from the beginning of the files
         self.metrics.offset, self.events.offset = saved["metrics_offset"], saved["events_offset"]
         self.last_step, self.last_val_step = saved["last_step"], saved["last_val_step"]
+        return True
 
     def poll(self) -> None:
         """Write what was appended since the last call; flush and record progress if any."""
@@ -69,7 +74,7 @@ class BoardWriter:
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(self.dir)
+            self.writer = SummaryWriter(self.dir, purge_step=self.purge_step)
         return self.writer
 
     def _scalar(self, tag: str, value: Any, step: int) -> bool:

@@ -75,6 +75,25 @@ def test_one_point_per_step_across_restarts_and_drivers(tmp_path):
         os.path.join(run_dir, events.METRICS))
 
 
+def test_points_a_dead_driver_wrote_past_its_saved_progress_are_not_shown_twice(tmp_path, monkeypatch):
+    run_dir = str(tmp_path)
+    for step in range(1, 4):
+        row(run_dir, step)
+    first = BoardWriter(run_dir)
+    first.poll()  # steps 1-3, progress saved
+    for step in range(4, 7):
+        row(run_dir, step)
+    # Killed after the event file was flushed and before progress.json was replaced.
+    monkeypatch.setattr(first, "_save", lambda: None)
+    first.poll()
+    first.writer.close()
+
+    second = BoardWriter(run_dir)  # reads steps 4-6 again
+    row(run_dir, 7)
+    second.close()
+    assert [step for step, _ in points(board(run_dir), "loss")] == list(range(1, 8))
+
+
 def test_the_finished_scores_are_a_point_when_no_line_had_them(tmp_path):
     run_dir = str(tmp_path)
     for step in (1, 2, 3):
