@@ -39,6 +39,7 @@ class Reporter:
         self.printed_at = 0.0
         self.printed_step = -1
         self.rate: tuple[float, int] | None = None  # (time, step) where the current pace is measured from
+        self.attempt: int | None = None  # the newest attempt_started's
         self.failures: list[dict[str, Any]] = []  # failure events of the attempt that is failing
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
@@ -54,7 +55,7 @@ class Reporter:
     def poll(self) -> None:
         for e in self.events.read():
             self.on_event(e)
-        rows = self.metrics.read()
+        rows = self._current(self.metrics.read())
         if rows:
             self.last = rows[-1]
             if self.rate is None:
@@ -93,7 +94,7 @@ class Reporter:
                 self.failure_block()
         elif kind == "attempt_started":
             self.failure_block()
-            self.rate = None
+            self.rate, self.attempt = None, e.get("attempt")
             planned = e.get("from_step") or 0
             self.say(f"attempt {e['attempt']}: {e['world_size']} worker(s), "
                      + (f"resuming from step {planned}" if planned else "starting"))
@@ -123,8 +124,16 @@ class Reporter:
             self.failure_block()
             self.say(f"failed: {e.get('error')}")
 
+    def _current(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows of the newest attempt. A poll reads the events first: the last steps of
+        a failed attempt can come after the next attempt_started, and are old news then
+        (printed after "attempt 2 ...", and no base for the new attempt's pace)."""
+        if self.attempt is None:
+            return rows
+        return [r for r in rows if r.get("attempt", self.attempt) >= self.attempt]
+
     def flush_progress(self) -> None:
-        for row in self.metrics.read():
+        for row in self._current(self.metrics.read()):
             self.last = row
         if self.last and self.last["step"] != self.printed_step:
             self.progress(time.time())

@@ -95,3 +95,27 @@ def test_a_new_driver_skips_what_earlier_drivers_wrote(tmp_path):
     events.emit(run_dir, "attempt_started", attempt=2, world_size=2, from_step=10)
     reporter.stop()
     assert out.getvalue() == "[train] attempt 2: 2 worker(s), resuming from step 10\n"
+
+
+def test_a_failed_attempts_last_steps_read_after_the_next_attempt_started_are_not_progress(tmp_path):
+    # Seen in CI: one poll read attempt 2's attempt_started, then attempt 1's last metrics
+    # line; it printed that step after "attempt 2 ...", and without an ETA.
+    run_dir = str(tmp_path)
+    reporter, out = _reporter(run_dir)
+    events.emit(run_dir, "attempt_started", attempt=1, world_size=2, from_step=0)
+    events.emit(run_dir, "training_started", attempt=1, total_steps=100, from_step=0)
+    for step in range(1, 41):
+        events.log_metrics(run_dir, step=step, epoch=0, loss=1.0 / step, samples_per_s=500.0, attempt=1, time=step)
+    reporter.poll()
+    events.log_metrics(run_dir, step=41, epoch=0, loss=0.02, samples_per_s=500.0, attempt=1, time=41)
+    events.emit(run_dir, "attempt_started", attempt=2, world_size=2, from_step=30)
+    reporter.printed_at = 0.0  # a progress line is due
+    reporter.poll()
+    assert not any("step 41/" in line for line in out.getvalue().splitlines()), out.getvalue()
+    for step in range(31, 61):
+        events.log_metrics(run_dir, step=step, epoch=0, loss=1.0 / step, samples_per_s=500.0, attempt=2,
+                           time=100 + step)
+    reporter.printed_at = 0.0
+    reporter.poll()
+    progress = [line for line in out.getvalue().splitlines() if " samples/s, elapsed " in line]
+    assert progress[-1].startswith("[train] step 60/100") and "ETA" in progress[-1], progress
