@@ -21,7 +21,9 @@ MNIST = ROOT.parent / "shared" / "data" / "mnist" / "raw"
 def demo_spec() -> tuple[dict, str | None]:
     spec = {
         "model": "simple_cnn", "workers": 2,
-        "training": {"epochs": 3, "global_batch_size": 64, "optimizer": "adam", "lr": 0.001, "seed": 0},
+        # 8 epochs (1,000 steps): a kill through the API takes a few seconds (a small Ray job
+        # on the worker's node), and on an idle machine 3 epochs ended before it landed.
+        "training": {"epochs": 8, "global_batch_size": 64, "optimizer": "adam", "lr": 0.001, "seed": 0},
         "checkpoint": {"every_steps": 50, "keep": 3},
         "failure": {"max_failures": 3, "collective_timeout_s": 15},
     }
