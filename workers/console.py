@@ -61,8 +61,11 @@ class Reporter:
             if self.rate is None:
                 self.rate = (rows[0]["time"], rows[0]["step"] - 1)
         now = time.time()
+        # A line is due every PROGRESS_EVERY_S once the attempt's pace is known (two of its
+        # steps apart: the first poll after a restart can hold one), and at the last step.
         if self.last and self.last["step"] != self.printed_step and (
-                now - self.printed_at >= PROGRESS_EVERY_S or self.last["step"] == self.total):
+                (now - self.printed_at >= PROGRESS_EVERY_S and self._pace() is not None)
+                or self.last["step"] == self.total):
             self.progress(now)
         self.tend_board(close=False)
 
@@ -76,11 +79,17 @@ class Reporter:
             self.board = None
             self.say(f"TensorBoard files are no longer written: {type(e).__name__}: {e}")
 
-    def progress(self, now: float) -> None:
+    def _pace(self) -> float | None:
+        """Seconds a step in the current attempt, from where its pace is measured."""
         m = self.last
+        if m and self.rate and m["time"] > self.rate[0] and m["step"] > self.rate[1]:
+            return (m["time"] - self.rate[0]) / (m["step"] - self.rate[1])
+        return None
+
+    def progress(self, now: float) -> None:
+        m, pace = self.last, self._pace()
         eta = ""
-        if self.total and self.rate and m["time"] > self.rate[0] and m["step"] > self.rate[1]:
-            pace = (m["time"] - self.rate[0]) / (m["step"] - self.rate[1])
+        if self.total and pace is not None:
             eta = f", ETA {_clock(pace * (self.total - m['step']))}"
         self.say(f"step {m['step']}/{self.total or '?'} epoch {m.get('epoch')} loss {m['loss']:.4f} "
                  f"{m.get('samples_per_s', 0):.0f} samples/s, elapsed {_clock(now - self.started)}{eta}")

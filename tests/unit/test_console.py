@@ -119,3 +119,20 @@ def test_a_failed_attempts_last_steps_read_after_the_next_attempt_started_are_no
     reporter.poll()
     progress = [line for line in out.getvalue().splitlines() if " samples/s, elapsed " in line]
     assert progress[-1].startswith("[train] step 60/100") and "ETA" in progress[-1], progress
+
+
+def test_no_progress_line_before_the_new_attempts_pace_is_known(tmp_path):
+    # Seen in CI: the first poll after a restart held one line of the new attempt; a
+    # progress line was due (10 s since the last) and came without an ETA.
+    run_dir = str(tmp_path)
+    reporter, out = _reporter(run_dir)
+    events.emit(run_dir, "attempt_started", attempt=2, world_size=2, from_step=30)
+    events.emit(run_dir, "training_started", attempt=2, total_steps=100, from_step=30)
+    events.log_metrics(run_dir, step=31, epoch=0, loss=0.5, samples_per_s=500.0, attempt=2, time=10.0)
+    reporter.printed_at = 0.0
+    reporter.poll()
+    assert " samples/s, elapsed " not in out.getvalue()
+    events.log_metrics(run_dir, step=32, epoch=0, loss=0.4, samples_per_s=500.0, attempt=2, time=10.5)
+    reporter.poll()
+    (line,) = [line for line in out.getvalue().splitlines() if " samples/s, elapsed " in line]
+    assert line.startswith("[train] step 32/100") and "ETA" in line
