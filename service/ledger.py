@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sqlite3
 import threading
 import time
 import weakref
@@ -193,10 +194,25 @@ def head_revision() -> str:
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA synchronous=FULL")  # an answered 201 must survive power loss too
     cur.execute("PRAGMA busy_timeout=30000")
+    _wal(cur)
+    cur.execute("PRAGMA synchronous=FULL")  # an answered 201 must survive power loss too
     cur.close()
+
+
+def _wal(cur, patience_s: float = 30.0) -> None:
+    """Switch to WAL. SQLite answers the switch with "database is locked" at once, not
+    through the busy handler, while another connection holds the file: several processes
+    opening one fresh ledger together (once in CI; here, 1 of 15 rounds of 10 processes)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def engine_of(sessions: sessionmaker[Session]) -> Engine:
