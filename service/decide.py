@@ -11,10 +11,14 @@ from dataclasses import dataclass
 from enum import Enum
 
 from service import rundir
+from service.gateway import DEFAULT_TIMEOUT_S, LONG_TIMEOUT_S
 from service.lifecycle import JobState
 
 LIVE = frozenset({"PENDING", "RUNNING"})  # Ray job statuses with a driver that may still run
 QUEUED_GRACE_S = 2.0  # leave a fresh job to the request that created it
+# A send to Ray unanswered this long was abandoned (its sender died): longer than a send's
+# own timeouts (a code archive's upload, then the submission), with room for Ray's reply.
+SEND_WINDOW_S = 2 * (LONG_TIMEOUT_S + DEFAULT_TIMEOUT_S)
 
 # Phases of a live Ray job to its state: RUNNING only once a worker of the newest attempt
 # has completed a step; while starting, the state stays as it is.
@@ -46,6 +50,7 @@ class Seen:
     idle_s: float = 0.0                # since the ledger row last changed
     room: bool = True                  # fewer jobs on Ray than ETRAIN_MAX_ACTIVE_JOBS
     waiting_s: float | None = None     # since Ray accepted it, while no worker has completed a step
+    sending_s: float | None = None     # since a send to Ray began, while it is unanswered
     scheduling_timeout_s: float | None = None
     run_error: str | None = None       # the run record's failure message
     restarts_changed: bool = False
@@ -71,6 +76,10 @@ def decide(seen: Seen) -> Action:
         # Cancel wins: stop whatever Ray runs, and end the job only once Ray confirms.
         if live:
             return Action(Do.STOP)
+        if seen.ray_status is None and seen.sending_s is not None and seen.sending_s < SEND_WINDOW_S:
+            # Ray may take it yet: the sender stops it once Ray answers (jobs.submit, accepted).
+            # Ended now, Ray could run a job the ledger already calls CANCELLED.
+            return NOTHING
         return Action(Do.SET_STATE, JobState.SUCCEEDED if finished else JobState.CANCELLED)
     if seen.pending_submission:
         # Budget is spent only on what Ray accepted: a refused send is retried, same id.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -82,9 +83,12 @@ def create(sessions: sessionmaker[Session], settings: Settings, spec: JobSpec, *
         if known is None or stored != admitted:
             raise RunDirTaken(_taken(spec.job_id))
     # The first submission id is fixed at insert: one commit fewer on every POST.
+    # Without ETRAIN_MAX_ACTIVE_JOBS the request sends it to Ray next (try_submit): the row
+    # claims that send at insert, so a cancel arriving meanwhile waits for Ray's answer.
     return ledger.create_job(sessions, job_id=spec.job_id, spec=spec.model_dump(mode="json"),
                              request_hash=request_hash(body), idempotency_key=idempotency_key,
-                             submission_id=submission_name(spec.job_id, 1))
+                             submission_id=submission_name(spec.job_id, 1),
+                             sending=settings.max_active_jobs is None)
 
 
 def _prepared(sessions: sessionmaker[Session], settings: Settings, job: ledger.Job) -> dict[str, Any] | None:
@@ -116,13 +120,19 @@ def submit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway
     if not job.submission_id:  # a row from before ids were fixed at creation
         job = ledger.update_job(sessions, job_id=job.id, submission_id=submission_name(job.id, 1), submissions=1,
                                 expect={"submission_id": None})
-    gateway.submit(submission_id=job.submission_id, **prepared)  # GatewayError: it stays QUEUED
+    if job.sending_since is None:  # ledger.Conflict once a cancel is recorded: nothing is sent
+        job = _claim_send(sessions, job, {"state": JobState.QUEUED.value})
+    _send(sessions, gateway, job, prepared)  # GatewayError: it stays QUEUED
     try:
-        return ledger.update_job(sessions, job_id=job.id, state=JobState.SUBMITTED, waiting_since=time.time(), seen=job)
+        job = ledger.update_job(sessions, job_id=job.id, state=JobState.SUBMITTED, waiting_since=time.time(),
+                                sending_since=None, seen=job)
     except IllegalTransition:
-        # Cancelled while Ray was taking it: Ray must not run it.
+        # Ended while Ray was taking it (a sender silent past decide.SEND_WINDOW_S): Ray must not run it.
         gateway.stop(job.submission_id)
         raise
+    if job.cancel_requested:  # cancelled while Ray was taking it: cancel wins
+        gateway.stop(job.submission_id)
+    return job
 
 
 def resubmit(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, job: ledger.Job) -> ledger.Job:
@@ -132,8 +142,9 @@ def resubmit(sessions: sessionmaker[Session], settings: Settings, gateway: Gatew
     submission count (the job's fencing token): of several replicas that saw the same loss
     one claims it, and none does once a cancel is recorded (ledger.Conflict)."""
     n = job.submissions
+    now = time.time()
     job = ledger.update_job(sessions, job_id=job.id, state=JobState.RECOVERING, submission_id=submission_name(job.id, n + 1),
-                            submissions=n + 1, pending_submission=True, resubmitted_at=time.time(),
+                            submissions=n + 1, pending_submission=True, resubmitted_at=now, sending_since=now,
                             expect={"submissions": n, "cancel_requested": False})
     return send(sessions, settings, gateway, job)
 
@@ -144,15 +155,36 @@ def send(sessions: sessionmaker[Session], settings: Settings, gateway: Gateway, 
     prepared = _prepared(sessions, settings, job)
     if prepared is None:
         return ledger.get_job(sessions, job_id=job.id)
-    gateway.submit(submission_id=job.submission_id, **prepared)
+    if job.sending_since is None:  # sent again after a refusal
+        job = _claim_send(sessions, job, {"submissions": job.submissions, "pending_submission": True})
+    _send(sessions, gateway, job, prepared)
     return accepted(sessions, gateway, job)
+
+
+def _claim_send(sessions: sessionmaker[Session], job: ledger.Job, expect: dict[str, Any]) -> ledger.Job:
+    """Record that a send of the job's submission id begins. Only while no cancel is
+    recorded: from then on the reconciler ends the job only once no send is in flight
+    (decide), so Ray is never handed a job after the ledger called it CANCELLED."""
+    return ledger.update_job(sessions, job_id=job.id, sending_since=time.time(),
+                             expect={**expect, "cancel_requested": False})
+
+
+def _send(sessions: sessionmaker[Session], gateway: Gateway, job: ledger.Job, prepared: dict[str, Any]) -> None:
+    try:
+        gateway.submit(submission_id=job.submission_id, **prepared)
+    except GatewayError:
+        # Ray answered (or timed out): no send is in flight now. A newer claim keeps its own mark.
+        with contextlib.suppress(ledger.Conflict, KeyError):
+            ledger.update_job(sessions, job_id=job.id, sending_since=None,
+                              expect={"sending_since": job.sending_since})
+        raise
 
 
 def accepted(sessions: sessionmaker[Session], gateway: Gateway, job: ledger.Job) -> ledger.Job:
     """Ray holds the claimed submission: count it. A cancel recorded meanwhile wins."""
     try:
         job = ledger.update_job(sessions, job_id=job.id, resubmits=job.resubmits + 1, pending_submission=False,
-                                waiting_since=time.time(),
+                                waiting_since=time.time(), sending_since=None,
                                 expect={"submissions": job.submissions, "pending_submission": True})
     except ledger.Conflict:  # counted already (another replica), or superseded
         return ledger.get_job(sessions, job_id=job.id)
@@ -171,7 +203,7 @@ def try_submit(sessions, settings, gateway, job: ledger.Job) -> ledger.Job:
             return job  # no room, or older jobs wait: the reconciler hands them over oldest first
     try:
         return submit(sessions, settings, gateway, job)
-    except (GatewayError, IllegalTransition):
+    except (GatewayError, IllegalTransition, ledger.Conflict):
         return ledger.get_job(sessions, job_id=job.id)
 
 

@@ -80,6 +80,9 @@ class Job(Base):
     summary_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     pending_submission: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     waiting_since: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # When a send of submission_id to Ray began, while unanswered: a cancel must not end
+    # the job while Ray may still take it (decide.SEND_WINDOW_S).
+    sending_since: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     @property
     def spec_dict(self) -> dict[str, Any]:
@@ -220,9 +223,11 @@ def engine_of(sessions: sessionmaker[Session]) -> Engine:
 
 
 def create_job(sessions: sessionmaker[Session], *, job_id: str, spec: dict[str, Any], request_hash: str,
-               idempotency_key: str | None, submission_id: str | None = None) -> tuple[Job, bool]:
+               idempotency_key: str | None, submission_id: str | None = None,
+               sending: bool = False) -> tuple[Job, bool]:
     """Insert a QUEUED job. With an Idempotency-Key already used, return that job and
-    False; the unique constraint settles races between concurrent requests."""
+    False; the unique constraint settles races between concurrent requests. `sending`:
+    the caller sends `submission_id` to Ray next, so the row claims that send already."""
     now = time.time()
     with _writing(sessions), sessions() as s:
         if idempotency_key is not None:
@@ -234,7 +239,8 @@ def create_job(sessions: sessionmaker[Session], *, job_id: str, spec: dict[str, 
                   idempotency_key=idempotency_key, created_at=now, updated_at=now, resubmits=0,
                   submission_id=submission_id, submissions=1 if submission_id else 0,
                   restarts=0, cancel_requested=False, resubmitted_at=None, error=None, summary=None,
-                  summary_at=None, pending_submission=False, waiting_since=None)
+                  summary_at=None, pending_submission=False, waiting_since=None,
+                  sending_since=now if sending else None)
         s.add(job)
         try:
             s.commit()

@@ -26,6 +26,7 @@ from workers import events
 log = logging.getLogger("etrain.reconciler")
 
 QUEUED_GRACE_S = decide.QUEUED_GRACE_S
+SEND_WINDOW_S = decide.SEND_WINDOW_S
 MAX_BACKOFF_S = 30.0
 
 
@@ -117,6 +118,7 @@ class Reconciler:
                     pending_submission=job.pending_submission, resubmits=job.resubmits,
                     max_resubmits=self.settings.max_resubmits, idle_s=now - job.updated_at,
                     waiting_s=now - job.waiting_since if starting else None, scheduling_timeout_s=timeout,
+                    sending_s=now - job.sending_since if job.sending_since is not None else None,
                     run_error=(info.get("error") or {}).get("message"),
                     restarts_changed=job.restarts != info["restarts"]), info
 
@@ -160,7 +162,7 @@ class Reconciler:
         # QUEUED job Ray did not know yet would mark it CANCELLED after the request had
         # made it SUBMITTED, leaving that Ray job running; the next tick sees it afresh.
         expect = {"state": job.state, "submission_id": job.submission_id,
-                  "pending_submission": job.pending_submission}
+                  "pending_submission": job.pending_submission, "sending_since": job.sending_since}
         if not job.cancel_requested:
             expect["cancel_requested"] = False
         ledger.update_job(self.sessions, job_id=job.id, state=target, expect=expect, **fields)

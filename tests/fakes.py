@@ -39,7 +39,8 @@ class FakeGateway:
 
     def stop(self, submission_id: str) -> None:
         self.stopped.append(submission_id)
-        self.statuses[submission_id] = "STOPPED"
+        if submission_id in self.submitted:  # Ray answers 404 for an id it does not hold, and keeps none
+            self.statuses[submission_id] = "STOPPED"
 
     def kill_process(self, *, pid: int, node_id: str | None, submission_id: str | None = None,
                      job_id: str | None = None) -> None:

@@ -24,13 +24,17 @@ MAX_RESUBMITS = 2
 
 
 class FlakyGateway(FakeGateway):
-    """A FakeGateway whose Ray can be switched off (submit and stop refused)."""
+    """A FakeGateway whose Ray can be switched off (submit and stop refused), and whose
+    submit runs `during()` while the request is with Ray: what another replica does meanwhile."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.down = False
+        self.during = None
 
     def submit(self, **kw) -> None:
+        if self.during is not None:
+            self.during()
         if self.down:
             raise GatewayError("connection refused")
         super().submit(**kw)
@@ -463,22 +467,57 @@ def test_a_resubmission_whose_answer_was_lost_is_counted_once(client, app, setti
     assert list(gateway.submitted) == ["etrain-x-1", "etrain-x-2"]
 
 
-def test_a_tick_that_saw_a_cancelled_queued_job_does_not_hide_its_late_submission(client, app, settings, gateway):
-    gateway.down = True
-    submit(client, "q2")  # QUEUED: Ray unreachable
-    assert client.post("/v1/jobs/q2/cancel").status_code == 200
-    seen = job(app, "q2")  # a tick read it: QUEUED, cancelled, unknown to Ray: "mark it CANCELLED"
-    # ... while another replica's submission landed in Ray and in the ledger.
-    gateway.down = False
-    jobs.submit(app.state.ledger, settings, gateway, job(app, "q2"))
-    assert job(app, "q2").state == "SUBMITTED" and list(gateway.submitted) == ["etrain-q2-1"]
-    with pytest.raises(ledger.Conflict):
-        app.state.reconciler._set(seen, ledger.JobState.CANCELLED)
-    tick(app)  # the next tick sees the row afresh and stops what Ray runs
-    set_ray(gateway, "q2", "STOPPED")
+def test_a_cancel_while_the_request_sends_to_ray_never_lets_ray_take_a_cancelled_job(client, app, settings, gateway):
+    # CI saw it with two replicas: the cancel landed while the POST was with Ray, the other
+    # replica's tick found a cancelled QUEUED job Ray did not know yet and marked it
+    # CANCELLED, then Ray took the submission.
+    seen_during = []
+
+    def during():
+        jobs.cancel(app.state.ledger, gateway, job(app, "q2"))
+        tick(app)  # the other replica: the send is in flight, so it waits for Ray's answer
+        seen_during.append(job(app, "q2").state)
+        gateway.during = None
+
+    gateway.during = during
+    submit(client, "q2")
+    assert seen_during == ["QUEUED"]
+    assert gateway.stopped[-1] == "etrain-q2-1"  # the request stopped what Ray took, at once
     tick(app)
-    assert job(app, "q2").state == "CANCELLED"
-    assert all(sid in gateway.stopped for sid, v in gateway.submitted.items() if v["job_id"] == "q2")
+    assert job(app, "q2").state == "CANCELLED" and job(app, "q2").sending_since is None
+    assert list(gateway.submitted) == ["etrain-q2-1"]
+
+
+def test_a_cancelled_job_whose_sender_died_mid_send_is_cancelled_once_the_send_window_passed(client, app, settings, gateway):
+    submit(client, "q4")
+    with app.state.ledger() as s:  # the row as a request that died while sending leaves it
+        row = s.get(ledger.Job, "q4")
+        row.state, row.sending_since = "QUEUED", time.time()
+        s.commit()
+    gateway.submitted.clear()
+    gateway.statuses.clear()
+    jobs.cancel(app.state.ledger, gateway, job(app, "q4"))
+    tick(app)
+    assert job(app, "q4").state == "QUEUED"  # Ray may take it yet
+    with app.state.ledger() as s:
+        s.get(ledger.Job, "q4").sending_since -= reconciler.SEND_WINDOW_S + 1
+        s.commit()
+    tick(app)
+    assert job(app, "q4").state == "CANCELLED" and gateway.submitted == {}
+
+
+def test_no_send_begins_once_a_cancel_is_recorded(client, app, settings, gateway):
+    gateway.down = True
+    submit(client, "q5")  # Ray refused the request's send: no send in flight
+    assert job(app, "q5").sending_since is None
+    seen = job(app, "q5")
+    jobs.cancel(app.state.ledger, gateway, seen)
+    gateway.down = False
+    with pytest.raises(ledger.Conflict):  # a replica that read the row before the cancel
+        jobs.submit(app.state.ledger, settings, gateway, seen)
+    assert gateway.submitted == {}
+    tick(app)
+    assert job(app, "q5").state == "CANCELLED"
 
 
 def test_cancel_wins_over_a_resubmission_claimed_by_another_replica(client, app, settings, gateway):
@@ -511,13 +550,36 @@ def test_a_cancel_after_the_claim_stops_the_new_driver_once_ray_has_it(client, a
     set_ray(gateway, "c2", "FAILED")
     gateway.down = True
     tick(app)  # claimed etrain-c2-2; Ray refused it
-    assert client.post("/v1/jobs/c2/cancel").status_code == 200
     gateway.down = False
-    claimed = job(app, "c2")
-    jobs.send(app.state.ledger, settings, gateway, claimed)  # a replica that claimed it sends it now
+    seen_during = []
+
+    def during():  # the cancel lands while a replica sends the claimed submission again
+        gateway.during = None
+        assert client.post("/v1/jobs/c2/cancel").status_code == 200
+        tick(app)
+        seen_during.append(job(app, "c2").state)
+
+    gateway.during = during
+    tick(app)  # sends etrain-c2-2 again
+    assert seen_during == ["RECOVERING"]  # Ray might take it yet: not CANCELLED before Ray answered
     assert "etrain-c2-2" in gateway.stopped  # the cancel recorded meanwhile wins at once
     tick(app)
     assert job(app, "c2").state == "CANCELLED"
+
+
+def test_a_claimed_submission_is_not_sent_again_once_a_cancel_is_recorded(client, app, settings, gateway):
+    submit(client, "c3")
+    rd(settings, "c3")
+    set_ray(gateway, "c3", "FAILED")
+    gateway.down = True
+    tick(app)  # claimed etrain-c3-2; Ray refused it
+    claimed = job(app, "c3")
+    assert client.post("/v1/jobs/c3/cancel").status_code == 200
+    gateway.down = False
+    with pytest.raises(ledger.Conflict):  # a replica that read the claim before the cancel
+        jobs.send(app.state.ledger, settings, gateway, claimed)
+    tick(app)
+    assert job(app, "c3").state == "CANCELLED" and list(gateway.submitted) == ["etrain-c3-1"]
 
 
 def test_the_job_view_is_read_from_the_ledger_not_the_run_record(client, app, settings, gateway):

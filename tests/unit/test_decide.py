@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.decide import Action, Do, Seen, decide
+from service.decide import SEND_WINDOW_S, Action, Do, Seen, decide
 from service.lifecycle import JobState
 
 Q, S, RUN, REC = JobState.QUEUED, JobState.SUBMITTED, JobState.RUNNING, JobState.RECOVERING
@@ -17,6 +17,14 @@ CASES = [
     (Seen(Q, idle_s=5), Action(Do.SUBMIT), "a queued job is submitted after the grace period"),
     (Seen(Q, cancel_requested=True, ray_status=None), Action(Do.SET_STATE, CANC),
      "cancelled before Ray took it: cancelled, never started"),
+    (Seen(Q, cancel_requested=True, ray_status=None, sending_s=0.2), Action(Do.NOTHING),
+     "cancelled while the request sends it to Ray: wait for Ray's answer, the sender stops it"),
+    (Seen(Q, cancel_requested=True, ray_status=None, sending_s=SEND_WINDOW_S + 1), Action(Do.SET_STATE, CANC),
+     "cancelled, and the sender went silent past the send window: it died, cancelled"),
+    (Seen(Q, cancel_requested=True, ray_status="STOPPED", sending_s=0.2), Action(Do.SET_STATE, CANC),
+     "cancelled, and Ray took the send and stopped it: cancelled"),
+    (Seen(REC, pending_submission=True, cancel_requested=True, ray_status=None, sending_s=0.2), Action(Do.NOTHING),
+     "cancelled while a resubmission is with Ray: wait for Ray's answer"),
     (Seen(Q, cancel_requested=True, ray_status="PENDING"), Action(Do.STOP),
      "cancelled, but Ray took it after all: stop it first"),
     (Seen(S, ray_status="PENDING", phase="starting"), Action(Do.NOTHING), "starting: no state change"),
