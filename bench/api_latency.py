@@ -417,18 +417,17 @@ def seed_busy_run_dir(run_dir: str, n_events: int, n_metrics: int) -> int:
 
     os.makedirs(run_dir, exist_ok=True)
     now = time.time()
-    records = [{"event": "job_started", "time": now, "pid": 1, "ray_address": None},
-               {"event": "attempt_started", "time": now, "attempt": 1, "world_size": 2, "from_step": 0,
-                "checkpoint": None},
-               {"event": "training_started", "time": now, "attempt": 1, "world_size": 2,
-                "total_steps": 50 * max(1, n_events), "from_step": 0, "checkpoint": None},
-               {"event": "worker_started", "time": now, "attempt": 1, "rank": 0, "pid": 2, "node_id": "n"},
-               {"event": "worker_started", "time": now, "attempt": 1, "rank": 1, "pid": 3, "node_id": "n"}]
+    made = [events.JobStarted(time=now, pid=1, ray_address=None),
+            events.AttemptStarted(time=now, attempt=1, world_size=2, from_step=0, checkpoint=None),
+            events.TrainingStarted(time=now, attempt=1, world_size=2, total_steps=50 * max(1, n_events), from_step=0,
+                                   checkpoint=None),
+            events.WorkerStarted(time=now, attempt=1, rank=0, pid=2, node_id="n"),
+            events.WorkerStarted(time=now, attempt=1, rank=1, pid=3, node_id="n")]
     step = 0
-    while len(records) < n_events:
+    while len(made) < n_events:
         step += 50
-        records.append({"event": "checkpoint_committed", "time": now, "step": step,
-                        "path": f"checkpoints/step_{step:09d}", "save_s": 0.0123})
+        made.append(events.CheckpointCommitted(time=now, step=step, path=f"checkpoints/step_{step:09d}", save_s=0.0123))
+    records = [e.record() for e in made]
     with open(os.path.join(run_dir, events.EVENTS), "w") as f:
         f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in records[:n_events])
     with open(os.path.join(run_dir, events.METRICS), "w") as f:

@@ -70,7 +70,7 @@ def main() -> int:
             except InjectedFault:
                 pass
             resumed = train(faulty, env)
-            (r,) = events.events(faulty.run_dir, "resumed")
+            (r,) = events.events(faulty.run_dir, events.Kind.RESUMED)
             rates = [m["samples_per_s"] for m in events.metrics(os.path.join(storage, f"{precision}-twin"))][5:]
             row = {"precision": precision, "twin": twin["weights_sha256"][:16],
                    "run_to_run_equal": again["weights_sha256"] == twin["weights_sha256"],

@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from vs_torchrun import ROOT, Run, _f, log, run_torchrun  # puts the repository root on sys.path
 
 from workers import events
+from workers.events import Kind
 from workers.spec import JobSpec, absolute_paths
 
 RESULTS = os.path.join(ROOT, "bench", "results", "parallel_gpt.txt")
@@ -141,13 +142,13 @@ def launch(run: Run, workdir: str, args: argparse.Namespace, profile: str | None
 
 
 def measure(run: Run, size: Size) -> dict:
-    committed = events.events(run.run_dir, "checkpoint_committed")
+    committed = events.events(run.run_dir, Kind.CHECKPOINT_COMMITTED)
     ckpt_steps = {c["step"] for c in committed}
     first, last = size.profile
     rates = [m["samples_per_s"] for m in events.metrics(run.run_dir)
              if m.get("attempt") == 1 and m["step"] > size.warmup and m["step"] not in ckpt_steps
              and not first <= m["step"] <= last]
-    ranks = events.events(run.run_dir, "worker_finished")
+    ranks = events.events(run.run_dir, Kind.WORKER_FINISHED)
     shares = [r["comm_s"] / r["profiled_wall_s"] for r in ranks if r.get("profiled_wall_s")]
     # The last step's checkpoint is always written in the foreground, even with async on.
     saves = [c for c in committed if c["step"] < size.steps]

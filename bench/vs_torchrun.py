@@ -47,6 +47,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from workers import events  # noqa: E402  (light: no torch, no ray)
+from workers.events import Kind  # noqa: E402
 from workers.run import prepare_run_dir, summarize  # noqa: E402
 from workers.spec import JobSpec, absolute_paths  # noqa: E402
 
@@ -196,7 +197,7 @@ def run_torchrun(run: Run, workdir: str, args: argparse.Namespace) -> None:
     with open(spec_path, "w") as f:
         f.write(spec.model_dump_json(indent=1))
     prepare_run_dir(spec)  # what workers.run does before it starts Ray
-    events.emit(spec.run_dir, "job_started", pid=os.getpid(), launcher="torchrun")
+    events.emit(spec.run_dir, events.JobStarted(pid=os.getpid(), launcher="torchrun"))
     port = free_port()
     threads = str(max(1, int(spec.resources.cpu)))
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": threads,
@@ -247,28 +248,28 @@ def throughput(run: Run, warmup: int, batch: int) -> dict[str, float] | None:
 
 def startup_s(run: Run) -> float | None:
     """Job started (before Ray or torchrun is launched) -> first completed step."""
-    started = next(iter(events.events(run.run_dir, "job_started")), None)
+    started = next(iter(events.events(run.run_dir, Kind.JOB_STARTED)), None)
     first = min((m["time"] for m in events.metrics(run.run_dir) if m.get("attempt") == 1), default=None)
     return first - started["time"] if started and first is not None else None
 
 
 def recovery(run: Run) -> dict[str, Any] | None:
-    resumed = events.events(run.run_dir, "resumed")
+    resumed = events.events(run.run_dir, Kind.RESUMED)
     if not resumed:
         return None
     r = resumed[0]
     out = {k: r.get(k) for k in ("recovery_s", "lost_steps", "from_step", "reached_step", "failed_rank", "cause")}
-    fault = next(iter(events.events(run.run_dir, "fault_injected")), None)
-    attempt = next((a for a in events.events(run.run_dir, "attempt_started") if a.get("attempt") == r.get("attempt")), None)
+    fault = next(iter(events.events(run.run_dir, Kind.FAULT_INJECTED)), None)
+    attempt = next((a for a in events.events(run.run_dir, Kind.ATTEMPT_STARTED) if a.get("attempt") == r.get("attempt")), None)
     if fault and attempt:
         out["to_restart_s"] = attempt["time"] - fault["time"]  # detection + new worker group + rendezvous
         out["to_step_s"] = r["time"] - attempt["time"]  # imports, data, checkpoint load, DDP, first step
-    out["restarts"] = len(events.events(run.run_dir, "attempt_started")) - 1
+    out["restarts"] = len(events.events(run.run_dir, Kind.ATTEMPT_STARTED)) - 1
     return out
 
 
 def digest(run: Run) -> str | None:
-    finished = events.events(run.run_dir, "finished")
+    finished = events.events(run.run_dir, Kind.FINISHED)
     return finished[-1].get("weights_sha256") if finished else None
 
 

@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from service.settings import Settings, ensure_token
+from workers.events import Kind
 
 # No locals in tracebacks of unexpected errors: they would print the API token.
 app = typer.Typer(help="elastic-train: distributed PyTorch training that survives failures.", no_args_is_help=True,
@@ -386,7 +387,7 @@ def watch_job(client: httpx.Client, job_id: str, on_tick=None, interval_s: float
             if down_since is not None:
                 notes.append(f"API was unreachable for {time.monotonic() - down_since:.0f}s; reconnected")
                 down_since = None
-            resumed = [e for e in history if e["event"] == "resumed"]
+            resumed = [e for e in history if e["event"] == Kind.RESUMED]
             for r in resumed[seen:]:
                 notes.append(f"[yellow]recovered[/yellow]: rank {r.get('failed_rank')} failed ({escape(str(r.get('cause')))}); "
                              f"resumed from step {r['from_step']}, {r['lost_steps']} step(s) recomputed, "

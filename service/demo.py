@@ -14,6 +14,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from workers.events import Kind
+
 ROOT = Path(__file__).resolve().parents[1]
 MNIST = ROOT.parent / "shared" / "data" / "mnist" / "raw"
 
@@ -104,7 +106,7 @@ def run_demo(*, data_dir: Path | None, port: int, ray_port: int, dashboard_port:
             job = watch_job(client, job["id"], on_tick=chaos)
             if killed:
                 console.print(f"killed rank {killed['rank']} (pid {killed['pid']}) through Ray")
-            events = [e for e in _request(client, "GET", f"/v1/jobs/{job['id']}/events")["data"] if e["event"] == "resumed"]
+            events = [e for e in _request(client, "GET", f"/v1/jobs/{job['id']}/events")["data"] if e["event"] == Kind.RESUMED]
         result = job.get("result") or {}
         table = Table(title=f"job {job['id']}: {job['state']}", show_header=False)
         table.add_row("validation accuracy", f"{result.get('val_accuracy', float('nan')):.4f}")

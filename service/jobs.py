@@ -18,6 +18,7 @@ from service.gateway import Gateway, GatewayError
 from service.lifecycle import TERMINAL, IllegalTransition, JobState
 from service.settings import Settings
 from workers import events, metrics_read
+from workers.events import Kind
 from workers.spec import JobSpec, write_spec_json
 
 
@@ -309,7 +310,7 @@ def _check_training(job: ledger.Job, now: str, history: list[dict[str, Any]], la
     if now == "queued":
         raise NotRunning(f"job {job.id} is queued: Ray has not taken it yet; try again once it is training")
     if now == rundir.STARTING:
-        attempts = [e for e in rundir.current_run(history) if e["event"] == "attempt_started"]
+        attempts = [e for e in rundir.current_run(history) if e["event"] == Kind.ATTEMPT_STARTED]
         if attempts and attempts[-1].get("attempt", 1) > 1:
             raise NotRunning(f"job {job.id} is restarting its workers (attempt {attempts[-1]['attempt']}); "
                              "try again once it is training")

@@ -7,8 +7,7 @@ import re
 from typing import Any
 
 from workers import checkpoint, events, failures, metrics_read
-
-_FAILURES = ("worker_failed", "fault_injected", "driver_lost")
+from workers.events import Kind
 
 
 def run_dir(runs_root: str, job_id: str) -> str:
@@ -22,7 +21,7 @@ def metrics_since(rd: str, since_step: int = 0, limit: int = 10_000) -> list[dic
 
 def current_run(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Events since the last driver started (a resubmission starts a new driver)."""
-    starts = [i for i, e in enumerate(history) if e["event"] == "job_started"]
+    starts = [i for i, e in enumerate(history) if e["event"] == Kind.JOB_STARTED]
     return history[starts[-1]:] if starts else history
 
 
@@ -33,12 +32,12 @@ FINISHING = "finishing"  # the service's view: the workers are done; Ray has not
 
 def last_step_at(history: list[dict[str, Any]], latest: dict[str, Any] | None) -> float | None:
     """When a worker last completed a step: the newest metrics line, or a `resumed`."""
-    times = [e["time"] for e in history if e["event"] == "resumed"] + ([latest["time"]] if latest else [])
+    times = [e["time"] for e in history if e["event"] == Kind.RESUMED] + ([latest["time"]] if latest else [])
     return max(times, default=None)
 
 
 def last_failure(history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return next((e for e in reversed(history) if e["event"] in _FAILURES), None)
+    return next((e for e in reversed(history) if e["event"] in events.FAILURES), None)
 
 
 def phase(history: list[dict[str, Any]], latest: dict[str, Any] | None) -> str:
@@ -48,20 +47,20 @@ def phase(history: list[dict[str, Any]], latest: dict[str, Any] | None) -> str:
     driver's verdict."""
     run = current_run(history)
     kinds = {e["event"] for e in run}
-    if "finished" in kinds:
+    if Kind.FINISHED in kinds:
         return FINISHED
-    if "failed" in kinds:
+    if Kind.FAILED in kinds:
         return FAILED
     stepped = last_step_at(history, latest)
     failure = last_failure(history)
     # >=: a lost driver is dated by its last sign of life, which may be its last step.
     if failure is not None and (stepped is None or failure["time"] >= stepped):
         return RECOVERING
-    attempts = [e for e in run if e["event"] == "attempt_started"]
+    attempts = [e for e in run if e["event"] == Kind.ATTEMPT_STARTED]
     if not attempts or stepped is None or stepped < attempts[-1]["time"]:
         return STARTING
     newest = attempts[-1].get("attempt")
-    resumed_since = any(e["event"] == "resumed" and e["time"] >= attempts[-1]["time"] for e in run)
+    resumed_since = any(e["event"] == Kind.RESUMED and e["time"] >= attempts[-1]["time"] for e in run)
     if not resumed_since and latest and latest.get("attempt") not in (None, newest):
         return STARTING  # the newest line is an older attempt's
     return TRAINING
@@ -70,16 +69,16 @@ def phase(history: list[dict[str, Any]], latest: dict[str, Any] | None) -> str:
 def recovery_note(history: list[dict[str, Any]], latest: dict[str, Any] | None) -> str:
     """What a recovering job is doing, for people: which failure, and any back-off."""
     stepped = last_step_at(history, latest) or 0.0
-    culprit = failures.culprit([e for e in history if e["event"] in _FAILURES and e["time"] >= stepped]) \
+    culprit = failures.culprit([e for e in history if e["event"] in events.FAILURES and e["time"] >= stepped]) \
         or last_failure(history)
     if culprit is None:
         return "its workers are being restarted"
-    if culprit["event"] == "driver_lost":
+    if culprit["event"] == Kind.DRIVER_LOST:
         what = "the loss of its driver; the driver is being started again"
     else:
         why = "hung" if culprit.get("hung") else culprit.get("kind") or culprit.get("error") or "failed"
         what = f"a failure of rank {culprit.get('rank', '?')} ({_one_line(why)}); its workers are being restarted"
-    backoff = next((e for e in reversed(history) if e["event"] == "backoff" and e["time"] >= culprit["time"]), None)
+    backoff = next((e for e in reversed(history) if e["event"] == Kind.BACKOFF and e["time"] >= culprit["time"]), None)
     if backoff is not None:
         what += f", after a back-off of {backoff.get('delay_s', 0):g}s (repeated failures at one step)"
     return what
@@ -94,11 +93,11 @@ def summary(rd: str, history: list[dict[str, Any]] | None = None) -> dict[str, A
     """Progress, recovery counts, the newest checkpoint and the error, for a job's status.
     `history`: the run directory's events when the caller keeps them (events.Histories)."""
     history = events.events(rd) if history is None else history
-    attempts = [e for e in history if e["event"] == "attempt_started"]
-    resumed = [e for e in history if e["event"] == "resumed"]
-    finished = next((e for e in reversed(history) if e["event"] == "finished"), None)
+    attempts = [e for e in history if e["event"] == Kind.ATTEMPT_STARTED]
+    resumed = [e for e in history if e["event"] == Kind.RESUMED]
+    finished = next((e for e in reversed(history) if e["event"] == Kind.FINISHED), None)
     latest = metrics_read.latest(rd)
-    committed = [e for e in history if e["event"] == "checkpoint_committed"]
+    committed = [e for e in history if e["event"] == Kind.CHECKPOINT_COMMITTED]
     out: dict[str, Any] = {
         "phase": phase(history, latest),
         "last_step_at": last_step_at(history, latest),
@@ -111,7 +110,7 @@ def summary(rd: str, history: list[dict[str, Any]] | None = None) -> dict[str, A
             "step": (finished or {}).get("final_step") or (latest or {}).get("step", 0),
             # training_started (once set-up is done) knows it; older run records had it in attempt_started.
             "total_steps": next((e["total_steps"] for e in reversed(history)
-                                 if e["event"] in ("training_started", "attempt_started") and e.get("total_steps")),
+                                 if e["event"] in (Kind.TRAINING_STARTED, Kind.ATTEMPT_STARTED) and e.get("total_steps")),
                                 None),
             "epoch": (latest or {}).get("epoch"),
         },
@@ -126,10 +125,10 @@ def summary(rd: str, history: list[dict[str, Any]] | None = None) -> dict[str, A
 
 
 def error(history: list[dict[str, Any]]) -> dict[str, str] | None:
-    failed = next((e for e in reversed(current_run(history)) if e["event"] == "failed"), None)
+    failed = next((e for e in reversed(current_run(history)) if e["event"] == Kind.FAILED), None)
     if failed is None:
         return None
-    tb = next((e.get("traceback") for e in reversed(history) if e["event"] == "worker_failed" and e.get("traceback")), "")
+    tb = next((e.get("traceback") for e in reversed(history) if e["event"] == Kind.WORKER_FAILED and e.get("traceback")), "")
     return {"message": failed.get("error", ""), "traceback": tb[-2000:]}
 
 
@@ -149,7 +148,7 @@ def checkpoints(rd: str) -> list[dict[str, Any]]:
 def worker(history: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:
     """Where rank `rank` of the newest attempt of the current driver runs (pid, node id).
     Never an older attempt's or driver's: that process has ended and its pid may be reused."""
-    started = [e for e in current_run(history) if e["event"] == "worker_started"]
+    started = [e for e in current_run(history) if e["event"] == Kind.WORKER_STARTED]
     if not started:
         return None
     attempt = max(e.get("attempt", 0) for e in started)
@@ -157,7 +156,7 @@ def worker(history: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:
 
 
 def live_ranks(history: list[dict[str, Any]]) -> list[int]:
-    started = [e for e in current_run(history) if e["event"] == "worker_started"]
+    started = [e for e in current_run(history) if e["event"] == Kind.WORKER_STARTED]
     attempt = max((e.get("attempt", 0) for e in started), default=None)
     return sorted({e["rank"] for e in started if e.get("attempt", 0) == attempt})
 

@@ -91,8 +91,8 @@ class CheckpointManager:
                 return {"step": saved["step"], "epoch": saved["epoch"], "batch_index": saved["batch_index"],
                         "path": path, "loss": loss}
             if error is not None:
-                events.emit(spec.run_dir, "checkpoint_skipped", step=step, rank=rank,
-                            error=failures.signature(error)[:1000])
+                events.emit(spec.run_dir, events.CheckpointSkipped(step=step, rank=rank,
+                                                                   error=failures.signature(error)[:1000]))
             if world > 1:
                 dist.barrier()
             if rank == 0:
@@ -163,6 +163,7 @@ class CheckpointManager:
         if env.rank == 0:
             # blocked_s: how long training waited for this checkpoint; save_s: until it was sealed.
             blocked = pending["blocked_s"] + (saved - committed)
-            events.emit(run_dir, "checkpoint_committed", step=step, path=os.path.relpath(path, run_dir),
-                        save_s=round(saved - pending["started"], 4), blocked_s=round(blocked, 4),
-                        background=pending["background"], report_s=round(time.perf_counter() - saved, 4))
+            events.emit(run_dir, events.CheckpointCommitted(
+                step=step, path=os.path.relpath(path, run_dir), save_s=round(saved - pending["started"], 4),
+                blocked_s=round(blocked, 4), background=pending["background"],
+                report_s=round(time.perf_counter() - saved, 4)))

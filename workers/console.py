@@ -17,7 +17,7 @@ import time
 from typing import Any, TextIO
 
 from workers import events, failures
-from workers.events import Tail
+from workers.events import Kind, Tail
 
 PROGRESS_EVERY_S = 9.5  # polled every 0.5 s: a line at least every 10 s
 TRACEBACK_LINES = 3
@@ -97,30 +97,30 @@ class Reporter:
 
     def on_event(self, e: dict[str, Any]) -> None:
         kind = e["event"]
-        if kind in ("worker_failed", "fault_injected", "driver_lost"):
+        if kind in events.FAILURES:
             self.failures.append(e)
             if e.get("classification") == failures.DETERMINISTIC:
                 self.failure_block()
-        elif kind == "attempt_started":
+        elif kind == Kind.ATTEMPT_STARTED:
             self.failure_block()
             self.rate, self.attempt = None, e.get("attempt")
             planned = e.get("from_step") or 0
             self.say(f"attempt {e['attempt']}: {e['world_size']} worker(s), "
                      + (f"resuming from step {planned}" if planned else "starting"))
-        elif kind == "training_started":
+        elif kind == Kind.TRAINING_STARTED:
             self.total = e.get("total_steps")
-        elif kind == "backoff":
+        elif kind == Kind.BACKOFF:
             self.say(f"waiting {e['delay_s']:g}s before attempt {e['attempt']}: {e.get('reason')}")
-        elif kind == "checkpoint_skipped":
+        elif kind == Kind.CHECKPOINT_SKIPPED:
             self.say(f"checkpoint of step {e['step']} cannot be loaded on rank {e.get('rank')} "
                      f"({e.get('error')}); trying the one before")
-        elif kind == "resized":
+        elif kind == Kind.RESIZED:
             self.say(f"resized: {e['old_size']} -> {e['new_size']} worker(s) at step {e['from_step']}")
-        elif kind == "resumed":
+        elif kind == Kind.RESUMED:
             who = f"rank {e['failed_rank']} failed" if e.get("failed_rank") is not None else "the driver was lost"
             self.say(f"recovered: {who} ({e.get('cause')}), resumed from step "
                      f"{e['from_step']}, recomputed {e['lost_steps']} step(s), {e['recovery_s']:.1f}s to this step")
-        elif kind == "finished":
+        elif kind == Kind.FINISHED:
             self.flush_progress()
             scores = {"loss": e.get("val_loss"), **(e.get("val_metrics") or {})}
             if e.get("val_accuracy") is not None:
@@ -129,7 +129,7 @@ class Reporter:
             self.say(f"finished: step {e['final_step']}, loss {e['loss']:.4f}"
                      + (f", validation {shown}" if shown else "")
                      + f", {_clock(time.time() - self.started)} in all")
-        elif kind == "failed":
+        elif kind == Kind.FAILED:
             self.failure_block()
             self.say(f"failed: {e.get('error')}")
 
@@ -152,7 +152,7 @@ class Reporter:
         if not self.failures:
             return
         first, self.failures = failures.culprit(self.failures), []
-        if first["event"] == "fault_injected":
+        if first["event"] == Kind.FAULT_INJECTED:
             self.say(f"fault injected: {first['kind']} on rank {first['rank']} at step {first['step']} "
                      f"({first.get('phase', 'step')})")
             return

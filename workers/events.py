@@ -1,4 +1,9 @@
-"""Append-only events.jsonl and metrics.jsonl in the run directory.
+"""The run record's events and metrics: every event kind and its fields, typed, and the
+append-only events.jsonl and metrics.jsonl they are written to and read from.
+
+Every producer writes an event as one of the models below (`emit(run_dir, WorkerFailed(...))`)
+and every consumer names a kind as `Kind.X`: an event's name appears nowhere else as a string,
+so renaming or adding a field is one change, seen by every reader.
 
 Several processes (workers of one attempt, the Ray Train controller) append to the
 same file. Each record is one `write()` on an O_APPEND descriptor, which POSIX keeps
@@ -10,11 +15,232 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
 
 EVENTS = "events.jsonl"
 METRICS = "metrics.jsonl"
 DRIVER_LOGS = "logs"  # each driver's whole output, one file per driver (workers.run.tee_output)
+
+
+class Kind(StrEnum):
+    """An event's `event` field. A StrEnum: equal to the string a record read back holds."""
+
+    JOB_STARTED = "job_started"            # a driver started (one per Ray submission)
+    WORKERS_CHANGED = "workers_changed"    # run again with another worker count than spec.json's
+    DRIVER_LOST = "driver_lost"            # written by the next driver: the one before died without a verdict
+    ATTEMPT_STARTED = "attempt_started"    # rank 0 of a worker group, before it sets up
+    BACKOFF = "backoff"                    # the attempt waits first: earlier ones failed at one step
+    RESIZED = "resized"                    # the attempt runs with another worker count than the one before
+    WORKER_STARTED = "worker_started"      # each rank, where it runs
+    TRAINING_STARTED = "training_started"  # rank 0, state loaded, about to step
+    CHECKPOINT_COMMITTED = "checkpoint_committed"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # unloadable on resume; an older one is tried
+    FAULT_INJECTED = "fault_injected"      # spec.faults fired
+    WORKER_FAILED = "worker_failed"
+    RESUMED = "resumed"                    # rank 0's first step after a failure: what it cost
+    WORKER_FINISHED = "worker_finished"    # each rank's peak memory and communication time
+    FINISHED = "finished"                  # the verdict: trained to the end
+    FAILED = "failed"                      # the verdict: the job failed
+
+
+FAILURES = frozenset({Kind.WORKER_FAILED, Kind.FAULT_INJECTED, Kind.DRIVER_LOST})  # what ends an attempt
+VERDICTS = frozenset({Kind.FINISHED, Kind.FAILED})
+
+
+class Event(BaseModel):
+    """One event. Only the fields a producer sets are written (exclude_unset), as before
+    the models: readers tell "not said" from "said None"."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    EVENT: ClassVar[Kind]
+    time: float = Field(default_factory=time.time)
+
+    def record(self) -> dict[str, Any]:
+        return {"event": self.EVENT.value, "time": self.time,
+                **self.model_dump(exclude_unset=True, exclude={"time"})}
+
+
+class JobStarted(Event):
+    EVENT = Kind.JOB_STARTED
+    pid: int
+    ray_address: str | None = None
+    launcher: str | None = None  # set when not Ray Train (bench/vs_torchrun.py's torchrun)
+
+
+class WorkersChanged(Event):
+    EVENT = Kind.WORKERS_CHANGED
+    old: Any
+    new: Any
+
+
+class DriverLost(Event):
+    EVENT = Kind.DRIVER_LOST
+    noticed_at: float  # `time` is when the lost driver was last heard of
+    error: str
+    pid: int | None = None
+
+
+class AttemptStarted(Event):
+    EVENT = Kind.ATTEMPT_STARTED
+    attempt: int
+    world_size: int
+    from_step: int
+    checkpoint: str | None = None
+    total_steps: int | None = None
+
+
+class Backoff(Event):
+    EVENT = Kind.BACKOFF
+    attempt: int
+    delay_s: float
+    reason: str
+
+
+class Resized(Event):
+    EVENT = Kind.RESIZED
+    attempt: int
+    old_size: int
+    new_size: int
+    from_step: int
+
+
+class WorkerStarted(Event):
+    EVENT = Kind.WORKER_STARTED
+    attempt: int
+    rank: int
+    pid: int
+    node_id: str | None = None
+
+
+class TrainingStarted(Event):
+    EVENT = Kind.TRAINING_STARTED
+    attempt: int
+    world_size: int
+    total_steps: int
+    from_step: int
+    checkpoint: str | None = None
+
+
+class CheckpointCommitted(Event):
+    EVENT = Kind.CHECKPOINT_COMMITTED
+    step: int
+    path: str  # relative to the run directory
+    save_s: float | None = None
+    blocked_s: float | None = None
+    background: bool | None = None
+    report_s: float | None = None
+
+
+class CheckpointSkipped(Event):
+    EVENT = Kind.CHECKPOINT_SKIPPED
+    step: int
+    rank: int
+    error: str
+
+
+class FaultInjected(Event):
+    EVENT = Kind.FAULT_INJECTED
+    fault: list[Any]
+    kind: str
+    rank: int
+    step: int | None = None
+    phase: str | None = None
+    pid: int | None = None
+
+
+class WorkerFailed(Event):
+    EVENT = Kind.WORKER_FAILED
+    rank: int | None = None
+    step: int | None = None
+    attempt: int | None = None
+    classification: str
+    error: str
+    signature: str | None = None
+    activity: str | None = None
+    traceback: str | None = None
+    hung: bool | None = None          # the watchdog saw no progress
+    process_died: bool | None = None  # Ray saw the worker's process end
+    detail: str | None = None
+
+
+class Resumed(Event):
+    EVENT = Kind.RESUMED
+    attempt: int
+    failed_rank: int | None = None
+    cause: str | None = None
+    from_step: int
+    reached_step: int
+    lost_steps: int
+    recovery_s: float
+
+
+class WorkerFinished(Event):
+    EVENT = Kind.WORKER_FINISHED
+    rank: int
+    world_size: int
+    peak_rss_mb: float | None = None
+    cuda_peak_mb: float | None = None
+    profiled_steps: int | None = None
+    profiled_wall_s: float | None = None
+    comm_s: float | None = None
+
+
+class Finished(Event):
+    EVENT = Kind.FINISHED
+    attempt: int
+    final_step: int
+    loss: float | None = None
+    val_loss: float | None = None
+    val_accuracy: float | None = None
+    val_metrics: dict[str, Any] = Field(default_factory=dict)
+    weights_sha256: str
+    world_size: int
+
+
+class Failed(Event):
+    EVENT = Kind.FAILED
+    error: str
+    rank: int | None = None
+    classification: str | None = None
+
+
+MODELS: dict[Kind, type[Event]] = {m.EVENT: m for m in Event.__subclasses__()}
+
+
+class MetricsLine(BaseModel):
+    """One line of metrics.jsonl: rank 0's, after each step of the one live attempt, so
+    the lines are sorted by (attempt, step) (workers.metrics_read seeks on that). The
+    validation keys appear on the steps that validated; a web page reads these names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    time: float = Field(default_factory=time.time)
+    step: int
+    epoch: int
+    loss: float
+    lr: float | None = None
+    samples_per_s: float | None = None
+    step_s: float | None = None
+    attempt: int
+    val_loss: float | None = None
+    val_accuracy: float | None = None
+    val_metrics: dict[str, float] | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {"time": self.time, **self.model_dump(exclude_unset=True, exclude={"time"})}
+
+
+def parse(record: dict[str, Any]) -> Event | None:
+    """A record read back as its typed event; None for a kind this code does not know
+    (written by a newer version) or fields that do not fit it."""
+    try:
+        model = MODELS[Kind(record.get("event"))]
+        return model.model_validate({k: v for k, v in record.items() if k != "event"})
+    except ValueError:
+        return None
 
 
 def append(path: str, record: dict[str, Any], *, durable: bool = False) -> None:
@@ -43,19 +269,34 @@ def read(path: str) -> Iterator[dict[str, Any]]:
         return
 
 
-def emit(run_dir: str, event: str, *, durable: bool = True, **fields: Any) -> dict[str, Any]:
-    """Write one event; durable by default since recovery decisions read them back."""
-    record = {"event": event, "time": time.time(), **fields}
+def emit(run_dir: str, event: Event | str, *, durable: bool = True, **fields: Any) -> dict[str, Any]:
+    """Write one event; durable by default since recovery decisions read them back.
+    Producers pass a typed event; a name and loose fields are for tests that write a
+    record by hand as a worker would."""
+    if isinstance(event, Event):
+        if fields:
+            raise TypeError(f"emit({type(event).__name__}(...)) takes its fields in the model, not {sorted(fields)}")
+        record = event.record()
+    else:
+        record = {"event": str(event), "time": time.time(), **fields}
     append(os.path.join(run_dir, EVENTS), record, durable=durable)
     return record
 
 
-def events(run_dir: str, kind: str | None = None) -> list[dict[str, Any]]:
+def events(run_dir: str, kind: Kind | None = None) -> list[dict[str, Any]]:
     return [e for e in read(os.path.join(run_dir, EVENTS)) if kind is None or e.get("event") == kind]
 
 
-def log_metrics(run_dir: str, **fields: Any) -> None:
-    append(os.path.join(run_dir, METRICS), {"time": time.time(), **fields})
+def log_metrics(run_dir: str, line: MetricsLine | None = None, **fields: Any) -> None:
+    """Write one metrics line. The loop passes a typed line; loose fields are for tests
+    that write one by hand as rank 0 would."""
+    if line is not None:
+        if fields:
+            raise TypeError(f"log_metrics(MetricsLine(...)) takes its fields in the line, not {sorted(fields)}")
+        record = line.record()
+    else:
+        record = {"time": time.time(), **fields}
+    append(os.path.join(run_dir, METRICS), record)
 
 
 def metrics(run_dir: str) -> list[dict[str, Any]]:

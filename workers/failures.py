@@ -10,6 +10,7 @@ import traceback
 from typing import Any
 
 from workers import events, metrics_read
+from workers.events import Kind
 
 INFRASTRUCTURE = "infrastructure"
 DETERMINISTIC = "deterministic"
@@ -65,13 +66,11 @@ def classify(exc: BaseException, *, step: int, completed_steps: int, history: li
 def record_worker_error(run_dir: str, exc: BaseException, *, rank: int, step: int, attempt: int | None,
                         completed_steps: int, activity: str | None = None) -> str:
     """Called by a worker on its own exception: write `worker_failed`, return the class."""
-    history = events.events(run_dir, "worker_failed")
+    history = events.events(run_dir, Kind.WORKER_FAILED)
     kind = classify(exc, step=step, completed_steps=completed_steps, history=history)
-    events.emit(
-        run_dir, "worker_failed", rank=rank, step=step, attempt=attempt, classification=kind,
-        signature=signature(exc), error=str(exc)[:2000], activity=activity,
-        traceback="".join(traceback.format_exception(exc))[-4000:],
-    )
+    events.emit(run_dir, events.WorkerFailed(
+        rank=rank, step=step, attempt=attempt, classification=kind, signature=signature(exc), error=str(exc)[:2000],
+        activity=activity, traceback="".join(traceback.format_exception(exc))[-4000:]))
     return kind
 
 
@@ -79,8 +78,8 @@ def culprit(failed: list[dict[str, Any]]) -> dict[str, Any] | None:
     """What failed first-hand among one attempt's failure events: an injected fault, a
     hung or dead process or driver, then a non-communication error; peers' connection
     errors are only echoes of it."""
-    for match in (lambda e: e["event"] == "fault_injected",
-                  lambda e: e.get("hung") or e.get("process_died") or e["event"] == "driver_lost",
+    for match in (lambda e: e["event"] == Kind.FAULT_INJECTED,
+                  lambda e: e.get("hung") or e.get("process_died") or e["event"] == Kind.DRIVER_LOST,
                   lambda e: e.get("classification") != INFRASTRUCTURE,
                   lambda e: True):
         hit = next((e for e in failed if match(e)), None)
@@ -98,7 +97,7 @@ def backoff_s(run_dir: str, attempt: int) -> float:
     So an unlimited retry budget (max_failures: -1) cannot spin without pause."""
     if attempt <= 2:
         return 0.0
-    starts = {e["attempt"]: e.get("from_step", 0) for e in events.events(run_dir, "attempt_started")}
+    starts = {e["attempt"]: e.get("from_step", 0) for e in events.events(run_dir, Kind.ATTEMPT_STARTED)}
     reached = metrics_read.reached(run_dir)
     # The step each earlier attempt failed at: one past the last it completed.
     failed_at = [reached.get(a, starts.get(a, 0)) + 1 for a in range(1, attempt)]

@@ -26,7 +26,7 @@ class FaultInjector:
     def __init__(self, faults: list[FaultSpec], run_dir: str, rank: int):
         self.run_dir = run_dir
         self.rank = rank
-        done = {tuple(e["fault"]) for e in events.events(run_dir, "fault_injected")}
+        done = {tuple(e["fault"]) for e in events.events(run_dir, events.Kind.FAULT_INJECTED)}
         self.pending = [f for f in faults if f.rank == rank and _key(f) not in done]
 
     def maybe_fire(self, step: int, phase: str = "step") -> None:
@@ -37,10 +37,9 @@ class FaultInjector:
                 return
 
     def fire(self, fault: FaultSpec) -> None:
-        events.emit(
-            self.run_dir, "fault_injected", fault=list(_key(fault)), kind=fault.kind,
-            rank=self.rank, step=fault.at_step, phase=fault.phase, pid=os.getpid(),
-        )
+        events.emit(self.run_dir, events.FaultInjected(
+            fault=list(_key(fault)), kind=fault.kind, rank=self.rank, step=fault.at_step, phase=fault.phase,
+            pid=os.getpid()))
         print(f"[fault] rank {self.rank}: injecting {fault.kind} at step {fault.at_step} ({fault.phase})", flush=True)
         if fault.kind == "crash":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -162,7 +162,7 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
     weight = sampler.local_batch * strategy.data_world / cfg.global_batch_size
     total_steps = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch
     # Where each rank runs, so a worker can be found (and killed on request) through Ray.
-    events.emit(run_dir, "worker_started", attempt=attempt.number, rank=rank, pid=os.getpid(), node_id=env.node_id,
+    events.emit(run_dir, events.WorkerStarted(attempt=attempt.number, rank=rank, pid=os.getpid(), node_id=env.node_id),
                 durable=False)
 
     def new_model() -> nn.Module:
@@ -188,8 +188,8 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
             state.loss = found["loss"]
     if rank == 0:
         accounting.from_step = state.step
-        events.emit(run_dir, "training_started", attempt=attempt.number, world_size=world, total_steps=total_steps,
-                    from_step=state.step, checkpoint=found["path"] if found else None)
+        events.emit(run_dir, events.TrainingStarted(attempt=attempt.number, world_size=world, total_steps=total_steps,
+                                                    from_step=state.step, checkpoint=found["path"] if found else None))
     profiler = StepProfiler()
     scoring = dict(task=task, dataset=val_set, device=device, batch_size=cfg.eval_batch_size, watchdog=watchdog,
                    workers=spec.dataset.loader_workers)
@@ -236,9 +236,10 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
             if rank == 0:
                 if accounting.pending:
                     accounting.record(run_dir)
-                events.log_metrics(run_dir, step=step, epoch=state.epoch, loss=state.loss,
-                                   lr=fit.schedule.get_last_lr()[0], samples_per_s=cfg.global_batch_size / step_s,
-                                   step_s=step_s, attempt=attempt.number, **val_fields(val))
+                events.log_metrics(run_dir, events.MetricsLine(
+                    step=step, epoch=state.epoch, loss=state.loss, lr=fit.schedule.get_last_lr()[0],
+                    samples_per_s=cfg.global_batch_size / step_s, step_s=step_s, attempt=attempt.number,
+                    **val_fields(val)))
             checkpoints.save_on_cadence(step, state.epoch, batch_index + 1, state.loss, total_steps)
             t_last = time.perf_counter()
         else:
@@ -261,9 +262,9 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
     if accounting.pending:  # failed after the last step: nothing recomputed
         accounting.record(run_dir)
     scores = scores or {}
-    return events.emit(run_dir, "finished", attempt=attempt.number, final_step=state.step, loss=state.loss,
-                       val_loss=scores.pop("loss", None), val_accuracy=scores.get("accuracy"), val_metrics=scores,
-                       weights_sha256=digest, world_size=world)
+    return events.emit(run_dir, events.Finished(
+        attempt=attempt.number, final_step=state.step, loss=state.loss, val_loss=scores.pop("loss", None),
+        val_accuracy=scores.get("accuracy"), val_metrics=scores, weights_sha256=digest, world_size=world))
 
 
 def _pause(delay_s: float, watchdog: Watchdog) -> None:

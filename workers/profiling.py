@@ -53,7 +53,7 @@ class StepProfiler:
             comm_us = covered(spans)
             fields.update(profiled_steps=self.last - self.first + 1, profiled_wall_s=round(self.wall_s, 4),
                           comm_s=round(comm_us / 1e6, 4))
-        events.emit(run_dir, "worker_finished", rank=rank, world_size=world, durable=False, **fields)
+        events.emit(run_dir, events.WorkerFinished(rank=rank, world_size=world, **fields), durable=False)
 
 
 def covered(spans: list[tuple[float, float]]) -> float:

@@ -41,11 +41,12 @@ class FailureRecorder(UserCallback):
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         for rank, exc in sorted(worker_exceptions.items()):
             if _is_process_death(exc):
-                events.emit(self.run_dir, "worker_failed", rank=rank, classification=INFRASTRUCTURE,
-                            error="worker process died", detail=str(_unwrap(exc))[:1000], process_died=True)
+                events.emit(self.run_dir, events.WorkerFailed(
+                    rank=rank, classification=INFRASTRUCTURE, error="worker process died",
+                    detail=str(_unwrap(exc))[:1000], process_died=True))
         for rank, exc in sorted(worker_exceptions.items()):
             inner = _unwrap(exc)
             if isinstance(inner, DeterministicTrainingError) or "DeterministicTrainingError" in str(exc):
                 message = str(inner.args[0]) if isinstance(inner, DeterministicTrainingError) else str(exc)
-                events.emit(self.run_dir, "failed", rank=rank, classification=DETERMINISTIC, error=message[:4000])
+                events.emit(self.run_dir, events.Failed(rank=rank, classification=DETERMINISTIC, error=message[:4000]))
                 raise DeterministicTrainingError(message)

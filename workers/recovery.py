@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers import checkpoint, events, failures, metrics_read
+from workers.events import Kind
 
 
 class Recovery:
@@ -14,14 +15,14 @@ class Recovery:
 
     def __init__(self, run_dir: str, from_step: int, world_size: int | None = None):
         history = events.events(run_dir)
-        attempts = [e for e in history if e["event"] == "attempt_started"]
+        attempts = [e for e in history if e["event"] == Kind.ATTEMPT_STARTED]
         self.attempt, self.from_step = len(attempts) + 1, from_step
         self.pending = self.attempt > 1
         if not self.pending:
             return
         since = attempts[-1]["time"]
         recent = [e for e in history if e["time"] >= since]
-        failed = [e for e in recent if e["event"] in ("fault_injected", "worker_failed", "driver_lost")]
+        failed = [e for e in recent if e["event"] in events.FAILURES]
         culprit = failures.culprit(failed) or {}
         self.failed_rank = culprit.get("rank")
         self.cause = culprit.get("kind") or culprit.get("error") or "unknown"
@@ -41,12 +42,10 @@ class Recovery:
 
     def record(self, run_dir: str) -> dict[str, Any]:
         self.pending = False
-        return events.emit(
-            run_dir, "resumed", attempt=self.attempt, failed_rank=self.failed_rank, cause=self.cause,
-            from_step=self.from_step, reached_step=self.reached_step,
-            lost_steps=max(0, self.reached_step - self.from_step),
-            recovery_s=round(time.time() - self.failure_time, 3),
-        )
+        return events.emit(run_dir, events.Resumed(
+            attempt=self.attempt, failed_rank=self.failed_rank, cause=self.cause, from_step=self.from_step,
+            reached_step=self.reached_step, lost_steps=max(0, self.reached_step - self.from_step),
+            recovery_s=round(time.time() - self.failure_time, 3)))
 
 
 @dataclass
@@ -67,17 +66,17 @@ def begin(run_dir: str, world: int) -> tuple[Attempt, Recovery]:
     recovery = Recovery(run_dir, from_step=candidates[0][0] if candidates else 0, world_size=world)
     delay = failures.backoff_s(run_dir, recovery.attempt)
     if delay:
-        events.emit(run_dir, "backoff", attempt=recovery.attempt, delay_s=delay,
-                    reason="the previous attempts failed at the same step")
+        events.emit(run_dir, events.Backoff(attempt=recovery.attempt, delay_s=delay,
+                                            reason="the previous attempts failed at the same step"))
     note_resize(run_dir, recovery.attempt, world, recovery.from_step)
-    events.emit(run_dir, "attempt_started", attempt=recovery.attempt, world_size=world,
-                from_step=recovery.from_step, checkpoint=candidates[0][1] if candidates else None)
+    events.emit(run_dir, events.AttemptStarted(attempt=recovery.attempt, world_size=world, from_step=recovery.from_step,
+                                               checkpoint=candidates[0][1] if candidates else None))
     return Attempt(recovery.attempt, candidates, delay), recovery
 
 
 def note_resize(run_dir: str, attempt: int, world: int, from_step: int) -> None:
     """An attempt that runs with a different worker count than the one before is a resize."""
-    before = events.events(run_dir, "attempt_started")
+    before = events.events(run_dir, Kind.ATTEMPT_STARTED)
     if before and before[-1].get("world_size") != world:
-        events.emit(run_dir, "resized", attempt=attempt, old_size=before[-1]["world_size"], new_size=world,
-                    from_step=from_step)
+        events.emit(run_dir, events.Resized(attempt=attempt, old_size=before[-1]["world_size"], new_size=world,
+                                            from_step=from_step))

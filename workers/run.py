@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from workers import events, failures, metrics_read, ray_token
+from workers.events import Kind
 from workers.spec import JobSpec, absolute_paths, load_spec, write_spec_json
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC = 0, 1, 2
@@ -74,8 +75,8 @@ def prepare_run_dir(spec: JobSpec) -> str:
         if existing.workers != spec.workers:
             # spec.json stays as first submitted (the run directory's contract); each
             # attempt_started records the worker count it really ran with.
-            events.emit(spec.run_dir, "workers_changed", old=existing.model_dump()["workers"],
-                        new=spec.model_dump()["workers"])
+            events.emit(spec.run_dir, events.WorkersChanged(old=existing.model_dump()["workers"],
+                                                            new=spec.model_dump()["workers"]))
             return spec.run_dir
     write_spec_json(spec)
     return spec.run_dir
@@ -107,13 +108,13 @@ def note_lost_driver(run_dir: str) -> None:
     driver (killed, or its node died). Record it dated by the last sign of life, so the
     recovery that follows is measured from then."""
     history = events.events(run_dir)
-    starts = [i for i, e in enumerate(history) if e["event"] == "job_started"]
-    if not starts or any(e["event"] in ("finished", "failed") for e in history[starts[-1]:]):
+    starts = [i for i, e in enumerate(history) if e["event"] == Kind.JOB_STARTED]
+    if not starts or any(e["event"] in events.VERDICTS for e in history[starts[-1]:]):
         return
     latest = metrics_read.latest(run_dir)
     last_seen = max([e["time"] for e in history] + ([latest["time"]] if latest else []))
-    events.emit(run_dir, "driver_lost", time=last_seen, noticed_at=time.time(), error="driver process lost",
-                pid=history[starts[-1]].get("pid"))
+    events.emit(run_dir, events.DriverLost(time=last_seen, noticed_at=time.time(), error="driver process lost",
+                                           pid=history[starts[-1]].get("pid")))
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's, in its experiment directory (ours)
@@ -132,10 +133,10 @@ def forget_ray_snapshot(run_dir: str) -> None:
 
 def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]:
     run_dir = spec.run_dir
-    finished = next(iter(events.events(run_dir, "finished")[-1:]), None)
-    failed = next(iter(events.events(run_dir, "failed")[-1:]), None)
-    resumed = events.events(run_dir, "resumed")
-    attempts = events.events(run_dir, "attempt_started")
+    finished = next(iter(events.events(run_dir, Kind.FINISHED)[-1:]), None)
+    failed = next(iter(events.events(run_dir, Kind.FAILED)[-1:]), None)
+    resumed = events.events(run_dir, Kind.RESUMED)
+    attempts = events.events(run_dir, Kind.ATTEMPT_STARTED)
     status = "succeeded" if finished and not error else "failed"
     summary: dict[str, Any] = {
         "job_id": spec.job_id,
@@ -152,7 +153,7 @@ def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]
         ],
         "world_size": attempts[-1].get("world_size") if attempts else None,
         "resizes": [{k: r.get(k) for k in ("old_size", "new_size", "from_step")}
-                    for r in events.events(run_dir, "resized")],
+                    for r in events.events(run_dir, Kind.RESIZED)],
         "wall_s": round(wall_s, 2),
         "weights_sha256": (finished or {}).get("weights_sha256"),
         "run_dir": run_dir,
@@ -160,7 +161,7 @@ def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]
     if status == "failed":
         summary["error"] = (failed or {}).get("error") or error or "training did not finish"
         last = attempts[-1].get("attempt") if attempts else None
-        blamed = failures.culprit([e for e in events.events(run_dir, "worker_failed") if e.get("attempt") == last])
+        blamed = failures.culprit([e for e in events.events(run_dir, Kind.WORKER_FAILED) if e.get("attempt") == last])
         if blamed and blamed.get("traceback"):
             summary["traceback"] = blamed["traceback"][-1500:]  # its tail: where in the user's code
     return summary
@@ -259,7 +260,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
     note_lost_driver(run_dir)
     forget_ray_snapshot(run_dir)
     reporter = Reporter(run_dir, started=started, board=BoardWriter(run_dir))
-    events.emit(run_dir, "job_started", pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS"))
+    events.emit(run_dir, events.JobStarted(pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS")))
     print(f"[train] job {spec.job_id}: {tasks.describe(spec)}, {spec.strategy}, "
           f"{spec.workers if not spec.elastic else f'{spec.workers.min}-{spec.workers.max}'} worker(s); "
           f"run directory {run_dir}", flush=True)
@@ -298,7 +299,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
         trainer.fit()
     except TrainingFailedError as e:
         error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        if not events.events(run_dir, "attempt_started"):
+        if not events.events(run_dir, Kind.ATTEMPT_STARTED):
             error = _start_failure(spec, error)
     finally:
         import ray
@@ -307,8 +308,8 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
         # finished before the summary: the summary must be the last line.
         ray.shutdown()
     summary = summarize(spec, time.time() - started, error)
-    if summary["status"] == "failed" and not events.events(run_dir, "failed"):
-        events.emit(run_dir, "failed", error=summary["error"])
+    if summary["status"] == "failed" and not events.events(run_dir, Kind.FAILED):
+        events.emit(run_dir, events.Failed(error=summary["error"]))
     reporter.stop()
     sys.stdout = stdout
     sys.stdout.flush()
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None, tee: bool = False) -> int:
         if not isinstance(e, RunDirTaken):
             # The verdict goes in the run directory too, so a service watching it does
             # not take this exit for a lost driver and run it again.
-            events.emit(spec.run_dir, "failed", error=str(e), classification="deterministic")
+            events.emit(spec.run_dir, events.Failed(error=str(e), classification="deterministic"))
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_SPEC
     print(json.dumps(summary), flush=True)

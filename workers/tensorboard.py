@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from workers import events
-from workers.events import Tail
+from workers.events import Kind, Tail
 
 DIR = "tensorboard"
 PROGRESS = "progress.json"
@@ -108,9 +108,9 @@ class BoardWriter:
         return wrote
 
     def _event(self, e: dict[str, Any]) -> bool:
-        if e.get("event") == "finished" and isinstance(e.get("final_step"), int):
+        if e.get("event") == Kind.FINISHED and isinstance(e.get("final_step"), int):
             return self._val(e, e["final_step"])
-        if e.get("event") == "resumed":
+        if e.get("event") == Kind.RESUMED:
             step = e.get("from_step") or 0
             self._scalar("recovery_s", e.get("recovery_s"), step)
             who = f"rank {e['failed_rank']}" if e.get("failed_rank") is not None else "the driver"

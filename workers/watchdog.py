@@ -63,9 +63,8 @@ class Watchdog:
     def _fire(self, idle: float) -> None:
         frame = sys._current_frames().get(self._watched)
         stack = "".join(traceback.format_stack(frame)[-12:]) if frame else ""
-        events.emit(self.run_dir, "worker_failed", rank=self.rank, step=self.step + 1, attempt=self.attempt,
-                    classification="infrastructure", hung=True, activity=self.activity,
-                    error=f"hung: no progress for {idle:.0f}s while {self.activity} (failure.hang_timeout_s "
-                          f"= {self.timeout_s:g})",
-                    traceback=stack[-4000:])
+        events.emit(self.run_dir, events.WorkerFailed(
+            rank=self.rank, step=self.step + 1, attempt=self.attempt, classification="infrastructure", hung=True,
+            activity=self.activity, traceback=stack[-4000:],
+            error=f"hung: no progress for {idle:.0f}s while {self.activity} (failure.hang_timeout_s = {self.timeout_s:g})"))
         self._kill()

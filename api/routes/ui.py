@@ -3,12 +3,15 @@ Neither needs the token: they hold no data; the page asks /v1 with the token the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
+
+from workers.events import FAILURES, Kind
 
 STATIC = Path(__file__).resolve().parents[1] / "static"
 SWAGGER = "/static/vendor/swagger"
@@ -24,6 +27,17 @@ def static_files() -> StaticFiles:
 def index() -> FileResponse:
     # no-cache: a browser left open across an upgrade revalidates instead of running old JS
     return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+# The run record's event kinds as the page's constants: made from workers.events, so the
+# page and the workers cannot disagree on a name.
+KINDS_JS = (f"const KIND = Object.freeze({json.dumps({k.name: k.value for k in Kind})});\n"
+            f"const FAILURE_KINDS = new Set({json.dumps(sorted(FAILURES))});\n")
+
+
+@router.get("/kinds.js")
+def kinds() -> Response:
+    return Response(KINDS_JS, media_type="text/javascript", headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/docs")

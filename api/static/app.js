@@ -4,8 +4,9 @@
 const TOKEN_KEY = "etrain.token";
 const POLL_MS = 2000;
 const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
-const FAILURES = new Set(["fault_injected", "worker_failed", "driver_lost"]);
-const QUIET = new Set(["worker_started", "worker_finished", "training_started"]);
+// KIND and FAILURE_KINDS come from /kinds.js, made from the run record's own definitions
+// (workers/events.py): the page names no event kind of its own.
+const QUIET = new Set([KIND.WORKER_STARTED, KIND.WORKER_FINISHED, KIND.TRAINING_STARTED]);
 const $ = (sel, root = document) => root.querySelector(sel);
 
 class SignedOut extends Error {}
@@ -374,7 +375,7 @@ class JobView {
   }
 
   worldSize() {
-    const started = this.events.filter((e) => e.event === "attempt_started");
+    const started = this.events.filter((e) => e.event === KIND.ATTEMPT_STARTED);
     return started.length ? started[started.length - 1].world_size : null;
   }
 
@@ -404,7 +405,7 @@ class JobView {
     const val = this.validation();
     const v = val[val.length - 1] || {};
     const ckpt = this.job.latest_checkpoint;
-    const recov = this.events.filter((e) => e.event === "resumed");
+    const recov = this.events.filter((e) => e.event === KIND.RESUMED);
     const secs = recov.map((e) => e.recovery_s ?? e.stall_s).filter((s) => s !== undefined && s !== null);
     const cards = [
       ["Training loss", fmt(last.loss), losses.length ? `smoothed ${fmt(losses[losses.length - 1][1])}` : ""],
@@ -455,7 +456,7 @@ class JobView {
   }
 
   drawRecoveries() {
-    const resumed = this.events.filter((e) => e.event === "resumed");
+    const resumed = this.events.filter((e) => e.event === KIND.RESUMED);
     $("#no-recoveries", this.root).hidden = resumed.length > 0;
     $("#recoveries tbody", this.root).replaceChildren(...resumed.map((e) => html(`<table><tr class="recovery">
       <td>${clock(e.time)}</td><td>${esc(who(e))}</td><td>${esc(e.cause ?? "–")}</td>
@@ -466,7 +467,7 @@ class JobView {
   drawTimeline() {
     const withCheckpoints = $("#timeline-checkpoints", this.root).checked;
     const first = this.events.length ? this.events[0].time : 0;
-    const shown = this.events.filter((e) => !QUIET.has(e.event) && (withCheckpoints || e.event !== "checkpoint_committed"));
+    const shown = this.events.filter((e) => !QUIET.has(e.event) && (withCheckpoints || e.event !== KIND.CHECKPOINT_COMMITTED));
     $("#timeline", this.root).replaceChildren(...shown.reverse().map((e) => {
       const text = describe(e);
       const li = html(`<li class="ev ev-${esc(e.event)}"><span class="when" title="${esc(clock(e.time))}">+${esc(offset(e.time - first))}</span>
@@ -543,23 +544,23 @@ function short(text, n = 160) {
 
 function describe(e) {
   switch (e.event) {
-    case "job_started": return "Job started (driver up)";
-    case "attempt_started": return `Attempt ${e.attempt}: ${e.world_size} worker(s), ` +
+    case KIND.JOB_STARTED: return "Job started (driver up)";
+    case KIND.ATTEMPT_STARTED: return `Attempt ${e.attempt}: ${e.world_size} worker(s), ` +
       (e.from_step ? `from checkpoint of step ${e.from_step}` : "from scratch");
-    case "fault_injected": return `Fault injected: rank ${e.rank} killed (${e.kind ?? "crash"})` + (e.step !== undefined ? ` at step ${e.step}` : "");
-    case "worker_failed": return `Rank ${e.rank ?? "?"} failed` + (e.step !== undefined ? ` at step ${e.step}` : "") +
+    case KIND.FAULT_INJECTED: return `Fault injected: rank ${e.rank} killed (${e.kind ?? "crash"})` + (e.step !== undefined ? ` at step ${e.step}` : "");
+    case KIND.WORKER_FAILED: return `Rank ${e.rank ?? "?"} failed` + (e.step !== undefined ? ` at step ${e.step}` : "") +
       (e.hung ? " (hung)" : e.process_died ? " (process died)" : "") + `: ${short(e.error || e.signature || e.kind || e.classification)}`;
-    case "driver_lost": return `Driver lost: ${short(e.error)}`;
-    case "backoff": return `Waiting ${e.delay_s} s before attempt ${e.attempt}: ${e.reason}`;
-    case "checkpoint_skipped": return `Checkpoint of step ${e.step} unusable, trying an older one`;
-    case "checkpoint_committed": return `Checkpoint committed at step ${e.step}`;
-    case "resized": return `Resized: ${e.old_size} → ${e.new_size} workers at step ${e.from_step}`;
-    case "resumed": return `Recovered from ${who(e)} failure (${e.cause ?? "?"}): resumed from step ${e.from_step}, ` +
+    case KIND.DRIVER_LOST: return `Driver lost: ${short(e.error)}`;
+    case KIND.BACKOFF: return `Waiting ${e.delay_s} s before attempt ${e.attempt}: ${e.reason}`;
+    case KIND.CHECKPOINT_SKIPPED: return `Checkpoint of step ${e.step} unusable, trying an older one`;
+    case KIND.CHECKPOINT_COMMITTED: return `Checkpoint committed at step ${e.step}`;
+    case KIND.RESIZED: return `Resized: ${e.old_size} → ${e.new_size} workers at step ${e.from_step}`;
+    case KIND.RESUMED: return `Recovered from ${who(e)} failure (${e.cause ?? "?"}): resumed from step ${e.from_step}, ` +
       `${e.lost_steps ?? "?"} steps recomputed, ${recoveryTime(e)}`;
-    case "finished": return `Finished at step ${e.final_step}: loss ${fmt(e.loss)}` +
+    case KIND.FINISHED: return `Finished at step ${e.final_step}: loss ${fmt(e.loss)}` +
       (e.val_loss !== undefined && e.val_loss !== null ? `, val loss ${fmt(e.val_loss)}` : "") +
       (e.val_accuracy !== undefined && e.val_accuracy !== null ? `, val accuracy ${(100 * e.val_accuracy).toFixed(1)}%` : "");
-    case "failed": return `Failed: ${short(e.error, 400)}`;
+    case KIND.FAILED: return `Failed: ${short(e.error, 400)}`;
     default: return e.event.replace(/_/g, " ");
   }
 }
@@ -570,22 +571,22 @@ function chartMarkers(events, lastStep) {
   const out = [];
   let pending = [];
   for (const e of events) {
-    if (FAILURES.has(e.event)) {
+    if (FAILURE_KINDS.has(e.event)) {
       pending.push(e);
-    } else if (e.event === "resumed") {
+    } else if (e.event === KIND.RESUMED) {
       const label = describe(e);
       if (e.lost_steps) out.push({ kind: "recomputed", x0: e.from_step, x: e.reached_step ?? e.from_step + e.lost_steps, label });
       out.push({ kind: "failure", x: e.reached_step ?? e.from_step, short: `✕ ${who(e)}`, label });
       pending = [];
-    } else if (e.event === "resized") {
+    } else if (e.event === KIND.RESIZED) {
       out.push({ kind: "resize", x: e.from_step, short: `${e.old_size}→${e.new_size}`, label: describe(e) });
-    } else if (e.event === "failed") {
+    } else if (e.event === KIND.FAILED) {
       out.push({ kind: "failure", x: lastStep, short: "✕ failed", label: describe(e) });
       pending = [];
     }
   }
   if (pending.length) {
-    const first = pending.find((e) => e.event === "fault_injected") || pending[0];
+    const first = pending.find((e) => e.event === KIND.FAULT_INJECTED) || pending[0];
     out.push({ kind: "failure", x: first.step ?? lastStep, short: `✕ rank ${first.rank ?? "?"}`, label: `${describe(first)} (recovering…)` });
   }
   return out;

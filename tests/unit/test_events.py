@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 
@@ -96,3 +98,97 @@ def test_histories_parse_only_what_was_appended_and_match_a_full_read(tmp_path):
 
     histories.keep_only(set())
     assert histories._seen == {}
+
+
+# One example of every kind, with the fields its producer sets.
+EXAMPLES = [
+    events.JobStarted(pid=1, ray_address="127.0.0.1:6379"),
+    events.WorkersChanged(old=2, new={"min": 1, "max": 3}),
+    events.DriverLost(time=5.0, noticed_at=9.0, error="driver process lost", pid=1),
+    events.AttemptStarted(attempt=2, world_size=2, from_step=10, checkpoint="checkpoints/step-000010"),
+    events.Backoff(attempt=3, delay_s=2.0, reason="the previous attempts failed at the same step"),
+    events.Resized(attempt=2, old_size=3, new_size=2, from_step=10),
+    events.WorkerStarted(attempt=1, rank=0, pid=2, node_id="n"),
+    events.TrainingStarted(attempt=1, world_size=2, total_steps=20, from_step=0, checkpoint=None),
+    events.CheckpointCommitted(step=10, path="checkpoints/step-000010", save_s=0.1, blocked_s=0.01, background=True,
+                               report_s=0.02),
+    events.CheckpointSkipped(step=10, rank=1, error="RuntimeError: torn"),
+    events.FaultInjected(fault=[3, 1, "crash", "step"], kind="crash", rank=1, step=3, phase="step", pid=7),
+    events.WorkerFailed(rank=1, step=4, attempt=1, classification="infrastructure", error="hung", hung=True),
+    events.Resumed(attempt=2, failed_rank=1, cause="crash", from_step=0, reached_step=3, lost_steps=3, recovery_s=4.2),
+    events.WorkerFinished(rank=0, world_size=2, peak_rss_mb=300.5, comm_s=0.3),
+    events.Finished(attempt=1, final_step=20, loss=0.5, val_metrics={}, weights_sha256="ab" * 32, world_size=2),
+    events.Failed(error="boom", rank=0, classification="deterministic"),
+]
+
+
+def test_every_kind_has_a_model_and_an_example():
+    assert set(events.MODELS) == set(events.Kind)
+    assert {type(e).EVENT for e in EXAMPLES} == set(events.Kind)
+
+
+@pytest.mark.parametrize("event", EXAMPLES, ids=lambda e: e.EVENT.value)
+def test_a_typed_event_is_written_and_read_back_as_itself(tmp_path, event):
+    written = events.emit(str(tmp_path), event)
+    (read,) = events.events(str(tmp_path))
+    assert read == written and read["event"] == event.EVENT
+    assert events.parse(read) == event
+    # Only what the producer set is written: a reader tells "not said" from "said None".
+    assert set(read) == {"event", "time"} | event.model_fields_set - {"time"}
+
+
+def test_a_producer_that_gets_a_field_wrong_is_told_at_once(tmp_path):
+    with pytest.raises(ValueError, match="rank"):
+        events.WorkerFailed(rank="first", classification="infrastructure", error="x")
+    with pytest.raises(ValueError, match="extra"):
+        events.JobStarted(pid=1, pidd=2)
+    with pytest.raises(TypeError, match="in the model"):
+        events.emit(str(tmp_path), events.JobStarted(pid=1), pid=2)
+    assert events.events(str(tmp_path)) == []
+
+
+def test_a_record_of_an_unknown_kind_or_shape_parses_to_none():
+    assert events.parse({"event": "from_a_newer_version", "time": 1.0}) is None
+    assert events.parse({"event": events.Kind.JOB_STARTED.value, "time": 1.0}) is None  # pid missing
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# "failed" and "finished" are also plain words: a run's status and a job's phase.
+NOT_EVENT_NAMES = ('status = "succeeded" if finished and not error else "failed"', 'if status == "failed":',
+                   'if summary["status"] == "failed"', '"starting", "training", "recovering", "finished", "failed"',
+                   'culprit.get("error") or "failed"', '{**row, "status": "failed"}', '"failed": failed,')
+
+
+def test_no_event_name_is_a_string_literal_outside_the_run_record_module():
+    """Every producer and consumer names a kind through workers.events (the page through
+    /kinds.js, made from it): grep finds the names nowhere else but in the tests."""
+    names = "|".join(k.value for k in events.Kind)
+    # Backticks quote in JS (template literals); in Python they mark names in prose.
+    quoted = {".py": re.compile(r"""["'](%s)["']""" % names), ".js": re.compile(r"""["'`](%s)["'`]""" % names)}
+    quoted[".html"] = quoted[".js"]
+    found = []
+    for top in ("workers", "service", "api", "bench"):
+        for folder, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [d for d in dirs if d not in ("vendor", "__pycache__")]
+            for name in files:
+                path = os.path.join(folder, name)
+                if not name.endswith((".py", ".js", ".html")) or path == events.__file__:
+                    continue
+                with open(path, encoding="utf-8") as f:
+                    for n, line in enumerate(f, 1):
+                        if quoted[os.path.splitext(name)[1]].search(line) and not any(ok in line for ok in NOT_EVENT_NAMES):
+                            found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_a_typed_metrics_line_is_written_as_rank_0_wrote_it_before(tmp_path):
+    line = events.MetricsLine(step=3, epoch=0, loss=0.25, lr=0.1, samples_per_s=100.0, step_s=0.01, attempt=1,
+                              val_loss=0.5, val_accuracy=0.9, val_metrics={"accuracy": 0.9})
+    events.log_metrics(str(tmp_path), line)
+    (read,) = events.metrics(str(tmp_path))
+    assert read == line.record() and events.MetricsLine.model_validate(read) == line
+    assert list(read)[:2] == ["time", "step"]
+    with pytest.raises(ValueError, match="extra"):
+        events.MetricsLine(step=1, epoch=0, loss=1.0, attempt=1, acc=0.5)
+    with pytest.raises(TypeError, match="in the line"):
+        events.log_metrics(str(tmp_path), line, step=4)
