@@ -292,6 +292,11 @@ class JobView {
     const since = this.maxStep, offset = this.eventsOffset;
     const [job, metrics, events] = await Promise.all([
       getJSON(this.path), getJSON(`${this.path}/metrics?since_step=${since}`), getJSON(`${this.path}/events?offset=${offset}`)]);
+    if (this.job && job.created_at !== this.job.created_at) {
+      // Deleted and made again under this id: another run record, read from its start.
+      Object.assign(this, { rows: [], maxStep: 0, events: [], eventsOffset: 0, job: null });
+      return this.refresh();
+    }
     const ended = this.job && !TERMINAL.has(this.job.state) && TERMINAL.has(job.state);
     this.job = job;
     // The events file only grows: ask for what was written since the last answer (unless

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from service import rundir
+from service import ledger, rundir
 from service.settings import Settings
 from tests.conftest import ROOT
 from tests.fakes import FakeGateway
@@ -110,7 +110,8 @@ def test_page_docs_and_static_need_no_token_but_data_does(fake_app):
         docs = c.get("/docs")
         assert docs.status_code == 200 and "/static/vendor/swagger/swagger-ui-bundle.js" in docs.text
         assert "cdn" not in docs.text.lower()
-        for path in ("/static/app.js", "/static/chart.js", "/static/style.css", "/static/vendor/swagger/swagger-ui.css"):
+        for path in ("/kinds.js", "/static/app.js", "/static/chart.js", "/static/style.css",
+                     "/static/vendor/swagger/swagger-ui.css"):
             assert c.get(path).status_code == 200, path
         assert c.get("/redoc").status_code == 404
         assert c.get("/v1/jobs").status_code == 401
@@ -174,6 +175,33 @@ def test_job_page_draws_a_recorded_recovery(fake_app, fake_server, page):
     row = page.tab.inner_text("#recoveries tbody tr")
     assert "rank 1" in row and "crash" in row and "12.5 s" in row
     page.shot("recorded-recovery")
+
+
+def test_a_job_deleted_and_made_again_under_its_id_is_read_afresh_by_an_open_page(fake_app, fake_server, page):
+    auth = {"Authorization": f"Bearer {FAKE_TOKEN}"}
+    rd = rundir.run_dir(fake_app.state.settings.runs_dir, "again")
+
+    def make(steps: int, world: int) -> None:
+        with TestClient(fake_app, headers=auth) as c:
+            c.post("/v1/jobs", json=small_job("again", steps=60)).raise_for_status()
+        events.emit(rd, events.JobStarted(pid=1))
+        events.emit(rd, events.AttemptStarted(attempt=1, world_size=world, from_step=0))
+        for step in range(1, steps + 1):
+            events.log_metrics(rd, events.MetricsLine(step=step, epoch=0, loss=2.3 / step, attempt=1))
+
+    make(30, world=2)
+    page.sign_in(fake_server.url, FAKE_TOKEN)
+    page.tab.click("#jobs-table tr[data-job='again'] a")
+    page.tab.wait_for_function("Number(document.querySelector('#chart-loss')?.dataset.points) === 30")
+    ledger.update_job(fake_app.state.ledger, job_id="again", state=ledger.JobState.CANCELLED)
+    with TestClient(fake_app, headers=auth) as c:
+        assert c.delete("/v1/jobs/again").status_code == 204
+    time.sleep(0.01)  # another created_at
+    make(5, world=3)
+    # The old page held 30 steps and an events offset past the new file's few events.
+    page.tab.wait_for_function("Number(document.querySelector('#chart-loss')?.dataset.points) === 5")
+    page.tab.wait_for_function("document.querySelector('#timeline')?.textContent.includes('3 worker(s)')")
+    assert "2 worker(s)" not in page.tab.inner_text("#timeline")
 
 
 # ---------------------------------------------------------------- with Ray: a real job, a real kill
