@@ -544,13 +544,19 @@ def test_two_replicas_that_see_one_lost_driver_start_one_new_driver(client, app,
     assert list(gateway.submitted) == ["etrain-z-1", "etrain-z-2"] and job(app, "z").resubmits == 1
 
 
-def test_a_cancel_after_the_claim_stops_the_new_driver_once_ray_has_it(client, app, settings, gateway):
-    submit(client, "c2")
-    rd(settings, "c2")
-    set_ray(gateway, "c2", "FAILED")
+def claimed_and_refused(client, app, settings, gateway, job_id: str) -> None:
+    """A job whose driver was lost: its next submission claimed, and refused by Ray."""
+    submit(client, job_id)
+    rd(settings, job_id)
+    set_ray(gateway, job_id, "FAILED")
     gateway.down = True
-    tick(app)  # claimed etrain-c2-2; Ray refused it
+    tick(app)
     gateway.down = False
+    assert job(app, job_id).pending_submission and job(app, job_id).sending_since is None
+
+
+def test_a_cancel_after_the_claim_stops_the_new_driver_once_ray_has_it(client, app, settings, gateway):
+    claimed_and_refused(client, app, settings, gateway, "c2")
     seen_during = []
 
     def during():  # the cancel lands while a replica sends the claimed submission again
@@ -568,14 +574,9 @@ def test_a_cancel_after_the_claim_stops_the_new_driver_once_ray_has_it(client, a
 
 
 def test_a_claimed_submission_is_not_sent_again_once_a_cancel_is_recorded(client, app, settings, gateway):
-    submit(client, "c3")
-    rd(settings, "c3")
-    set_ray(gateway, "c3", "FAILED")
-    gateway.down = True
-    tick(app)  # claimed etrain-c3-2; Ray refused it
+    claimed_and_refused(client, app, settings, gateway, "c3")
     claimed = job(app, "c3")
     assert client.post("/v1/jobs/c3/cancel").status_code == 200
-    gateway.down = False
     with pytest.raises(ledger.Conflict):  # a replica that read the claim before the cancel
         jobs.send(app.state.ledger, settings, gateway, claimed)
     tick(app)
