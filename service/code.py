@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path
 
 from service.settings import Settings
-from workers.checkpoint import fsync_dir
+from workers.storage import fsync_dir
 
 ID = re.compile(r"^[0-9a-f]{16,64}$")  # what JobSpec.code accepts; stored ids are full sha256 digests
 # A zip may unpack to far more than it weighs; Ray unpacks it on every node.

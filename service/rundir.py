@@ -135,13 +135,12 @@ def error(history: list[dict[str, Any]]) -> dict[str, str] | None:
 def checkpoints(rd: str) -> list[dict[str, Any]]:
     out = []
     for step in checkpoint.committed_steps(rd):
-        path = os.path.join(checkpoint.root(rd), checkpoint.step_name(step))
+        path = checkpoint.path_of(rd, step)
         manifest = checkpoint.read_manifest(path, verify=False)
         if manifest is None:
             continue
-        out.append({"step": step, "path": os.path.relpath(path, rd), "committed_at": manifest.get("committed_at"),
-                    "bytes": sum(f["bytes"] for f in manifest["files"].values()),
-                    "loss": manifest.get("loss"), "epoch": manifest.get("epoch")})
+        out.append({"step": step, "path": os.path.relpath(path, rd), "committed_at": manifest.committed_at,
+                    "bytes": manifest.bytes, "loss": manifest.loss, "epoch": manifest.epoch})
     return out
 
 

@@ -1,8 +1,17 @@
-"""Atomic checkpoints in the run directory (DESIGN.md invariant 2).
+"""Atomic checkpoints in the run directory (DESIGN.md invariant 2), on a local path or an
+object store (workers.storage).
 
 Layout: checkpoints/step-000120/ holds the shards and manifest.json; checkpoints/LATEST
-names the newest committed one. Shards go to checkpoints/.tmp-step-000120/, are fsynced,
-the manifest is written last, then the directory is renamed and LATEST replaced.
+names the newest committed one. A checkpoint whose files do not match its manifest (sizes,
+SHA-256) is never loaded.
+
+How a commit is made atomic depends on what the storage offers:
+- local: shards go to checkpoints/.tmp-step-000120/ and are fsynced, the manifest is
+  written last, then the directory is renamed into place and LATEST replaced;
+- object store (no rename): shards are written in place into step-000120/; the manifest,
+  one PUT after every shard, seals it; LATEST follows. A step directory without a manifest
+  is one being written (or abandoned by a crash): never loaded, never pruned while it may
+  be written, and cleared by the next attempt before any rank writes (clear_partial).
 
 Written here rather than taken from Ray: Ray Train registers checkpoints but, as seen
 with Ray 2.60, can resume from an older one than the newest in storage; and
@@ -13,12 +22,16 @@ directory is the source of truth; Ray is told about each commit afterwards.
 from __future__ import annotations
 
 import hashlib
-import json
+import io
 import os
 import re
-import shutil
 import time
 from typing import Any
+
+from pydantic import ValidationError
+
+from workers import storage
+from workers.events import Manifest, ManifestFile
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
@@ -26,119 +39,120 @@ _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
 def root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
+    return storage.join(run_dir, "checkpoints")
 
 
 def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def path_of(run_dir: str, step: int) -> str:
+    return storage.join(root(run_dir), step_name(step))
+
+
 def tmp_dir(run_dir: str, step: int) -> str:
-    return os.path.join(root(run_dir), f".tmp-{step_name(step)}")
+    """Where every rank writes the shards of `step` before it is committed."""
+    if storage.is_local(run_dir):
+        return storage.join(root(run_dir), f".tmp-{step_name(step)}")
+    return path_of(run_dir, step)  # no rename on an object store: in place, sealed by its manifest
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: str) -> str:
+def _sha256(uri: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with storage.open_file(uri, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
 def write_shard(directory: str, name: str, obj: Any) -> None:
-    """torch.save one shard and fsync it; called by every rank for its own files."""
+    """torch.save one shard, whole (fsynced locally, one PUT on an object store); called
+    by every rank for its own files."""
     import torch  # here, so the control plane can read manifests without loading torch
 
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, name)
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    storage.makedirs(directory)
+    if storage.is_local(directory):
+        with open(storage.local_path(storage.join(directory, name)), "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    storage.write_bytes(storage.join(directory, name), buffer.getvalue())
 
 
 def commit(run_dir: str, step: int, meta: dict[str, Any]) -> str:
-    """Seal the temporary directory of `step` once every rank's shards are in it."""
+    """Seal the checkpoint of `step` once every rank's shards are written."""
     src = tmp_dir(run_dir, step)
-    files = {
-        name: {"bytes": os.path.getsize(os.path.join(src, name)), "sha256": _sha256(os.path.join(src, name))}
-        for name in sorted(os.listdir(src))
-        if name != MANIFEST
-    }
-    manifest = {"step": step, "committed_at": time.time(), "files": files, **meta}
-    with open(os.path.join(src, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(src)
-    dst = os.path.join(root(run_dir), step_name(step))
-    if os.path.exists(dst):  # a replay after a failure recommitted this step; same bytes
-        shutil.rmtree(dst)
-    os.rename(src, dst)
-    fsync_dir(root(run_dir))
-    latest_tmp = os.path.join(root(run_dir), f".{LATEST}.tmp")
-    with open(latest_tmp, "w") as f:
-        f.write(step_name(step) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, os.path.join(root(run_dir), LATEST))
-    fsync_dir(root(run_dir))
+    files = {}
+    for name in sorted(storage.listdir(src)):
+        if name != MANIFEST:
+            uri = storage.join(src, name)
+            files[name] = ManifestFile(bytes=storage.size(uri), sha256=_sha256(uri))
+    manifest = Manifest(step=step, files=files, **meta)
+    storage.write_bytes(storage.join(src, MANIFEST), manifest.model_dump_json(indent=1).encode())
+    dst = path_of(run_dir, step)
+    if storage.is_local(run_dir):
+        storage.fsync_dir(storage.local_path(src))
+        storage.remove_tree(dst)  # there only when a replay after a failure recommitted this step
+        storage.move_tree(src, dst)
+    storage.write_bytes(storage.join(root(run_dir), LATEST), (step_name(step) + "\n").encode())
     return dst
 
 
-def read_manifest(path: str, *, verify: bool = True) -> dict[str, Any] | None:
+def read_manifest(path: str, *, verify: bool = True) -> Manifest | None:
     """The manifest of a committed checkpoint, or None when it is incomplete or damaged."""
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
+        manifest = Manifest.model_validate_json(storage.read_bytes(storage.join(path, MANIFEST)))
+    except (OSError, ValueError, ValidationError):
         return None
-    for name, info in manifest.get("files", {}).items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file) or os.path.getsize(file) != info["bytes"]:
+    for name, info in manifest.files.items():
+        file = storage.join(path, name)
+        if storage.size(file) != info.bytes:
             return None
-        if verify and _sha256(file) != info["sha256"]:
+        if verify and _sha256(file) != info.sha256:
             return None
     return manifest
 
 
+def verified(path: str) -> bool:
+    """Whether every file of the checkpoint at `path` matches its manifest's SHA-256."""
+    return read_manifest(path, verify=True) is not None
+
+
 def committed_steps(run_dir: str) -> list[int]:
     """Steps with a step-* directory, newest first (not yet checked for a manifest)."""
-    try:
-        names = os.listdir(root(run_dir))
-    except FileNotFoundError:
-        return []
+    names = storage.listdir(root(run_dir))
     return sorted((int(m.group(1)) for n in names if (m := _STEP_DIR.match(n))), reverse=True)
+
+
+def latest_named(run_dir: str) -> int | None:
+    """The step LATEST names, whether or not that checkpoint is still sound."""
+    try:
+        named = _STEP_DIR.match(storage.read_bytes(storage.join(root(run_dir), LATEST)).decode().strip())
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(named.group(1)) if named else None
 
 
 def sound(run_dir: str) -> list[tuple[int, str]]:
     """Every committed checkpoint with a complete manifest, newest first; the first is
-    verified against its SHA-256 sums.
+    verified against its SHA-256 sums (the others are verified before they are loaded:
+    CheckpointManager.load_newest).
 
     LATEST is read as well as the directory: it may name a checkpoint that a later one
     superseded before LATEST was replaced; the scan finds one damaged since, and skips it.
     """
     candidates = committed_steps(run_dir)
-    try:
-        with open(os.path.join(root(run_dir), LATEST)) as f:
-            named = _STEP_DIR.match(f.read().strip())
-        if named and int(named.group(1)) not in candidates:
-            candidates.append(int(named.group(1)))
-    except OSError:
-        pass
+    named = latest_named(run_dir)
+    if named is not None and named not in candidates:
+        candidates.append(named)
     found: list[tuple[int, str]] = []
     for step in sorted(set(candidates), reverse=True):
-        path = os.path.join(root(run_dir), step_name(step))
-        # Hash only up to the first sound one: the older ones are fallbacks, and a
-        # damaged fallback fails to load and is skipped in turn.
+        path = path_of(run_dir, step)
+        # Hash only up to the first sound one: hashing every fallback would read the
+        # whole retention on each resume, and a fallback is verified when it is tried.
         if read_manifest(path, verify=not found) is not None:
             found.append((step, path))
     return found
@@ -153,34 +167,45 @@ def latest(run_dir: str) -> tuple[int, str] | None:
 def set_aside(run_dir: str, step: int) -> str:
     """Move a checkpoint that could not be loaded out of the way (kept for a post-mortem,
     never resumed from again: the name no longer matches step-*)."""
-    src = os.path.join(root(run_dir), step_name(step))
-    dst = os.path.join(root(run_dir), f".unloadable-{step_name(step)}-{int(time.time())}")
-    os.rename(src, dst)
-    fsync_dir(root(run_dir))
+    dst = storage.join(root(run_dir), f".unloadable-{step_name(step)}-{int(time.time())}")
+    storage.move_tree(path_of(run_dir, step), dst)
     return dst
 
 
 def prune(run_dir: str, keep: int) -> list[int]:
     """Delete sealed checkpoints beyond the newest `keep`. Directories without a manifest
-    do not count as kept ones, so a damaged one never costs a sound one."""
-    sealed = [s for s in committed_steps(run_dir)
-              if read_manifest(os.path.join(root(run_dir), step_name(s)), verify=False) is not None]
+    do not count as kept ones, so a damaged one never costs a sound one, and are not
+    removed here (one may be being written); neither is the one LATEST names."""
+    sealed = [s for s in committed_steps(run_dir) if read_manifest(path_of(run_dir, s), verify=False) is not None]
+    named = latest_named(run_dir)
     removed = []
     for step in sealed[keep:]:
-        shutil.rmtree(os.path.join(root(run_dir), step_name(step)), ignore_errors=True)
+        if step == named:
+            continue
+        storage.remove_tree(path_of(run_dir, step))
         removed.append(step)
     return removed
 
 
 def clear_partial(run_dir: str) -> None:
-    """Remove temporaries left by a failed attempt; call before any rank starts writing."""
-    try:
-        names = os.listdir(root(run_dir))
-    except FileNotFoundError:
+    """Remove what a failed attempt half-wrote; call before any rank starts writing.
+    Locally that is the .tmp-* directories. On an object store it is every step directory
+    without a manifest, and every one newer than the newest sound checkpoint (it could not
+    be loaded, and the next attempt will write that step again in place): those are set
+    aside, so no write ever lands in a prefix that holds another attempt's files."""
+    names = storage.listdir(root(run_dir))
+    if storage.is_local(run_dir):
+        for name in names:
+            if name.startswith(".tmp-"):
+                storage.remove_tree(storage.join(root(run_dir), name))
         return
-    for name in names:
-        if name.startswith(".tmp-"):
-            shutil.rmtree(os.path.join(root(run_dir), name), ignore_errors=True)
+    newest = latest(run_dir)
+    for step in committed_steps(run_dir):
+        if newest is None or step > newest[0]:
+            if storage.exists(storage.join(path_of(run_dir, step), MANIFEST)):
+                set_aside(run_dir, step)
+            else:
+                storage.remove_tree(path_of(run_dir, step))
 
 
 def _array_globals() -> list[Any]:
@@ -201,5 +226,8 @@ def load_shard(path: str, name: str) -> Any:
     tensors and plain values, and NumPy's RNG state, whose arrays are allowed by name."""
     import torch
 
+    uri = storage.join(path, name)
+    # From an object store in one read: torch.load's many small seeks would each be a request.
+    source = storage.local_path(uri) if storage.is_local(uri) else io.BytesIO(storage.read_bytes(uri))
     with torch.serialization.safe_globals(_array_globals()):
-        return torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)

@@ -4,7 +4,6 @@ checkpoint.py's; what a strategy saves of the model is the strategy's."""
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from typing import Any
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from workers import checkpoint, events, failures
+from workers import checkpoint, events, failures, storage
 from workers.faults import FaultInjector
 from workers.watchdog import Watchdog
 
@@ -65,17 +64,19 @@ class CheckpointManager:
         `checkpoint_skipped` event and the previous one is tried. Loading overwrites all
         of the state it touches, so a half-loaded bad one leaves nothing behind."""
         spec, rank, world, s = self.spec, self.env.rank, self.env.world_size, self.state
-        for step, path in candidates:
+        for i, (step, path) in enumerate(candidates):
             self.watchdog.beat(f"loading the checkpoint of step {step}", on_peers=True)
             error = None
             try:
+                if i > 0 and not checkpoint.verified(path):  # the first was verified when listed
+                    raise ValueError(f"the files of the checkpoint of step {step} do not match its manifest")
                 saved = checkpoint.load_shard(path, "state.pt")
                 self.strategy.load_state(path, s.model, s.optimizer, saved)
                 s.schedule.load_state_dict(saved["schedule"])
                 if saved.get("scaler"):
                     s.scaler.load_state_dict(saved["scaler"])
-                rng = os.path.join(path, f"rng-rank{rank}.pt")
-                rng_saved = checkpoint.load_shard(path, f"rng-rank{rank}.pt") if os.path.exists(rng) else None
+                rng = f"rng-rank{rank}.pt"
+                rng_saved = checkpoint.load_shard(path, rng) if storage.exists(storage.join(path, rng)) else None
             except Exception as e:
                 if failures.is_communication_error(e):
                     raise
@@ -87,7 +88,8 @@ class CheckpointManager:
                     seed_everything(spec.training.seed + 1000 * rank + saved["step"])
                 # The loss of the checkpoint's step, so a run resumed at its last step
                 # still reports one.
-                loss = (checkpoint.read_manifest(path, verify=False) or {}).get("loss")
+                manifest = checkpoint.read_manifest(path, verify=False)
+                loss = manifest.loss if manifest else None
                 return {"step": saved["step"], "epoch": saved["epoch"], "batch_index": saved["batch_index"],
                         "path": path, "loss": loss}
             if error is not None:
@@ -164,6 +166,6 @@ class CheckpointManager:
             # blocked_s: how long training waited for this checkpoint; save_s: until it was sealed.
             blocked = pending["blocked_s"] + (saved - committed)
             events.emit(run_dir, events.CheckpointCommitted(
-                step=step, path=os.path.relpath(path, run_dir), save_s=round(saved - pending["started"], 4),
+                step=step, path=storage.relative(path, run_dir), save_s=round(saved - pending["started"], 4),
                 blocked_s=round(blocked, 4), background=pending["background"],
                 report_s=round(time.perf_counter() - saved, 4)))

@@ -1,5 +1,6 @@
-"""The run record's events and metrics: every event kind and its fields, typed, and the
-append-only events.jsonl and metrics.jsonl they are written to and read from.
+"""The run record's events, metrics and checkpoint manifests: every event kind and its
+fields, typed, the append-only events.jsonl and metrics.jsonl they are written to and read
+from, and the manifest that seals a checkpoint (written and checked by workers.checkpoint).
 
 Every producer writes an event as one of the models below (`emit(run_dir, WorkerFailed(...))`)
 and every consumer names a kind as `Kind.X`: an event's name appears nowhere else as a string,
@@ -231,6 +232,31 @@ class MetricsLine(BaseModel):
 
     def record(self) -> dict[str, Any]:
         return {"time": self.time, **self.model_dump(exclude_unset=True, exclude={"time"})}
+
+
+class ManifestFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    bytes: int
+    sha256: str
+
+
+class Manifest(BaseModel):
+    """checkpoints/step-N/manifest.json, a checkpoint's seal (workers.checkpoint): written
+    after every shard, naming each with its size and SHA-256; a checkpoint is loaded only
+    when its files match it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    step: int
+    committed_at: float = Field(default_factory=time.time)
+    files: dict[str, ManifestFile]
+    epoch: int | None = None
+    batch_index: int | None = None
+    world_size: int | None = None
+    loss: float | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes for f in self.files.values())
 
 
 def parse(record: dict[str, Any]) -> Event | None:

@@ -131,7 +131,7 @@ def test_read_manifest_skips_checksums_when_asked(tmp_path):
     state = tmp_path / "checkpoints" / "step-000010" / "state.pt"
     _flip_byte(state)
     assert ckpt.read_manifest(path) is None
-    assert ckpt.read_manifest(path, verify=False)["step"] == 10
+    assert ckpt.read_manifest(path, verify=False).step == 10
     # A size mismatch is caught even without checksums.
     _truncate(state)
     assert ckpt.read_manifest(path, verify=False) is None

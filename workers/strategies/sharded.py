@@ -5,13 +5,13 @@ of ranks can load them, and they can be written in the background."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from workers import storage
 from workers.strategies.base import Strategy, gather_on_rank0
 
 
@@ -25,7 +25,7 @@ class Sharded(Strategy):
     def save_state(self, directory: str, model: nn.Module, optimizer, *, background: bool = False) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
         model_sd, optim_sd = _state_dicts(model, optimizer)
-        os.makedirs(directory, exist_ok=True)
+        storage.makedirs(directory)
         state = {"model": model_sd, "optimizer": optim_sd}
         if not background:
             dcp.save(state, checkpoint_id=directory)
