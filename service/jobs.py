@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import random
-import shutil
 import time
 from typing import Any
 
@@ -17,7 +15,7 @@ from service import code, ledger, rundir
 from service.gateway import Gateway, GatewayError
 from service.lifecycle import TERMINAL, IllegalTransition, JobState
 from service.settings import Settings
-from workers import events, metrics_read
+from workers import events, metrics_read, storage
 from workers.events import Kind
 from workers.spec import JobSpec, write_spec_json
 
@@ -43,7 +41,7 @@ def submission_name(job_id: str, n: int) -> str:
 
 
 def spec_path(settings: Settings, job_id: str) -> str:
-    return os.path.join(rundir.run_dir(settings.runs_dir, job_id), "spec.json")
+    return storage.join(rundir.run_dir(settings.runs_dir, job_id), "spec.json")
 
 
 def write_spec(settings: Settings, spec: JobSpec) -> str:
@@ -59,8 +57,7 @@ def write_spec(settings: Settings, spec: JobSpec) -> str:
 def _stored_spec(path: str) -> dict[str, Any] | None:
     """The spec in a spec.json, or None when there is none; {} when it cannot be read."""
     try:
-        with open(path) as f:
-            return JobSpec.model_validate_json(f.read()).model_dump(mode="json")
+        return JobSpec.model_validate_json(storage.read_bytes(path)).model_dump(mode="json")
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
@@ -243,7 +240,7 @@ def delete(sessions: sessionmaker[Session], settings: Settings, job: ledger.Job)
     if state not in TERMINAL:
         raise StillActive(f"job {job.id} is {job.state}: cancel it and wait until it has ended before deleting it")
     ledger.delete_job(sessions, job_id=job.id)
-    shutil.rmtree(rundir.run_dir(settings.runs_dir, job.id), ignore_errors=True)
+    storage.remove_tree(rundir.run_dir(settings.runs_dir, job.id))
 
 
 FINISHING = rundir.FINISHING

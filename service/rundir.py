@@ -6,17 +6,17 @@ import os
 import re
 from typing import Any
 
-from workers import checkpoint, events, failures, metrics_read
+from workers import checkpoint, events, failures, metrics_read, storage
 from workers.events import Kind
 
 
 def run_dir(runs_root: str, job_id: str) -> str:
-    return os.path.join(runs_root, job_id)
+    return storage.join(runs_root, job_id)
 
 
 def metrics_since(rd: str, since_step: int = 0, limit: int = 10_000) -> list[dict[str, Any]]:
     """Every attempt's metrics lines after `since_step`, read from where they start."""
-    return metrics_read.metrics_after(os.path.join(rd, events.METRICS), since_step, limit)
+    return metrics_read.after(rd, since_step, limit)
 
 
 def current_run(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -139,7 +139,7 @@ def checkpoints(rd: str) -> list[dict[str, Any]]:
         manifest = checkpoint.read_manifest(path, verify=False)
         if manifest is None:
             continue
-        out.append({"step": step, "path": os.path.relpath(path, rd), "committed_at": manifest.committed_at,
+        out.append({"step": step, "path": storage.relative(path, rd), "committed_at": manifest.committed_at,
                     "bytes": manifest.bytes, "loss": manifest.loss, "epoch": manifest.epoch})
     return out
 
@@ -161,7 +161,7 @@ def live_ranks(history: list[dict[str, Any]]) -> list[int]:
 
 
 def _header(i: int, n: int, path: str) -> str:
-    return f"===== driver {i} of {n} ({os.path.basename(path)}) =====\n"
+    return f"===== driver {i} of {n} ({storage.name(path)}) =====\n"
 
 
 def driver_output(rd: str, tail: int | None = None) -> str | None:
@@ -176,8 +176,8 @@ def driver_output(rd: str, tail: int | None = None) -> str | None:
         return _driver_output_tail(files, tail)
     parts = []
     for i, path in enumerate(files, 1):
-        with open(path, errors="replace", newline="") as f:  # as written: a progress bar's \r stays
-            parts.append(_header(i, len(files), path) + f.read())
+        # As written (bytes, decoded whole): a progress bar's \r stays.
+        parts.append(_header(i, len(files), path) + storage.read_bytes(path).decode(errors="replace"))
     return "".join(p if p.endswith("\n") else p + "\n" for p in parts)
 
 
@@ -194,7 +194,7 @@ def _last_lines(path: str, n: int) -> tuple[list[str], bool]:
     """A file's last `n` lines, split at newlines only (a progress bar's carriage returns
     stay in its line; the last line gets a newline if it lacked one), and whether they
     are all the file holds."""
-    with open(path, "rb") as f:
+    with storage.open_file(path, "rb") as f:
         pos = f.seek(0, os.SEEK_END)
         data = b""
         while pos > 0 and data.count(b"\n") <= n:

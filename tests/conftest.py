@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.s3 import s3_bucket, s3_server  # noqa: F401  (fixtures: one S3 server per session)
 from workers import ray_token  # noqa: E402
 
 # Before Ray is imported (it reads RAY_AUTH_MODE once): the test process is a client of

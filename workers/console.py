@@ -10,14 +10,13 @@ short block (the whole traceback stays in events.jsonl), recoveries and the end.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from typing import Any, TextIO
 
 from workers import events, failures
-from workers.events import Kind, Tail
+from workers.events import Kind
 
 PROGRESS_EVERY_S = 9.5  # polled every 0.5 s: a line at least every 10 s
 TRACEBACK_LINES = 3
@@ -31,8 +30,8 @@ def _clock(seconds: float) -> str:
 
 class Reporter:
     def __init__(self, run_dir: str, out: TextIO = sys.stdout, started: float | None = None, board=None):
-        self.events = Tail(os.path.join(run_dir, events.EVENTS))
-        self.metrics = Tail(os.path.join(run_dir, events.METRICS))
+        self.events = events.tail(run_dir, events.EVENTS)
+        self.metrics = events.tail(run_dir, events.METRICS)
         self.out, self.started = out, started or time.time()
         self.total: int | None = None
         self.last: dict[str, Any] | None = None  # newest metrics line

@@ -22,8 +22,11 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workers import segments, storage
+
 EVENTS = "events.jsonl"
 METRICS = "metrics.jsonl"
+EVENTS_DIR, METRICS_DIR = "events", "metrics"  # on an object store: segment objects (workers.segments)
 DRIVER_LOGS = "logs"  # each driver's whole output, one file per driver (workers.run.tee_output)
 
 
@@ -305,12 +308,17 @@ def emit(run_dir: str, event: Event | str, *, durable: bool = True, **fields: An
         record = event.record()
     else:
         record = {"event": str(event), "time": time.time(), **fields}
-    append(os.path.join(run_dir, EVENTS), record, durable=durable)
+    if storage.is_local(run_dir):
+        append(os.path.join(run_dir, EVENTS), record, durable=durable)
+    else:  # every event is flushed at once: recovery decisions read them back
+        segments.writer(run_dir, EVENTS_DIR, segments.events_key).add(record, flush=True)
     return record
 
 
 def events(run_dir: str, kind: Kind | None = None) -> list[dict[str, Any]]:
-    return [e for e in read(os.path.join(run_dir, EVENTS)) if kind is None or e.get("event") == kind]
+    history = (read(os.path.join(run_dir, EVENTS)) if storage.is_local(run_dir)
+               else segments.read_events(storage.join(run_dir, EVENTS_DIR)))
+    return [e for e in history if kind is None or e.get("event") == kind]
 
 
 def log_metrics(run_dir: str, line: MetricsLine | None = None, **fields: Any) -> None:
@@ -322,11 +330,24 @@ def log_metrics(run_dir: str, line: MetricsLine | None = None, **fields: Any) ->
         record = line.record()
     else:
         record = {"time": time.time(), **fields}
-    append(os.path.join(run_dir, METRICS), record)
+    if storage.is_local(run_dir):
+        append(os.path.join(run_dir, METRICS), record)
+    else:
+        segments.writer(run_dir, METRICS_DIR, segments.metrics_key).add(record, flush=False)
 
 
 def metrics(run_dir: str) -> list[dict[str, Any]]:
-    return list(read(os.path.join(run_dir, METRICS)))
+    if storage.is_local(run_dir):
+        return list(read(os.path.join(run_dir, METRICS)))
+    return segments.metrics_after(storage.join(run_dir, METRICS_DIR), -1, 2**62)
+
+
+def tail(run_dir: str, stream: str) -> Tail | SegmentTail:
+    """A reader of the new records of `stream` (EVENTS or METRICS) at each call."""
+    if storage.is_local(run_dir):
+        return Tail(os.path.join(run_dir, stream))
+    return SegmentTail(storage.join(run_dir, EVENTS_DIR if stream == EVENTS else METRICS_DIR),
+                       by_time=stream == EVENTS)
 
 
 class Tail:
@@ -364,9 +385,42 @@ class Tail:
         return out
 
 
+class SegmentTail:
+    """Tail's counterpart on an object store: the records of each segment not returned yet
+    (a segment grows between flushes), merged by time for events, in key order for metrics."""
+
+    def __init__(self, directory: str, *, by_time: bool):
+        self.cache, self.by_time = segments.SegmentCache(directory), by_time
+        self.returned: dict[str, int] = {}
+
+    def skip_to_end(self) -> None:
+        self.returned = {name: len(records) for name, records in self.cache.records().items()}
+
+    def read(self) -> list[dict[str, Any]]:
+        out = []
+        for name, records in self.cache.records().items():
+            out.extend(records[self.returned.get(name, 0):])
+            self.returned[name] = len(records)
+        if self.by_time:
+            out.sort(key=lambda r: r.get("time", 0))
+        return out
+
+
+# On an object store, an answer by offset holds only events older than this: a writer's
+# PUT lands within moments of its record's time, so the events before the cut are all
+# there and in their final order, and `offset` (a count in time order) stays valid.
+SETTLE_S = 5.0
+
+
 def events_from(run_dir: str, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
     """The events written after byte `offset` (a previous answer's end), and where the next
-    read starts: the end of the last whole line (a line still being written waits)."""
+    read starts: the end of the last whole line (a line still being written waits). On an
+    object store the offset counts events in time order, up to SETTLE_S ago."""
+    if not storage.is_local(run_dir):
+        cut = time.time() - SETTLE_S
+        settled = [e for e in segments.read_events(storage.join(run_dir, EVENTS_DIR)) if e.get("time", 0) <= cut]
+        offset = min(offset, len(settled))
+        return settled[offset:], len(settled)
     tail = Tail(os.path.join(run_dir, EVENTS))
     try:
         size = os.path.getsize(tail.path)
@@ -383,9 +437,15 @@ class Histories:
     A file that shrank or was replaced (a deleted job's id used again) is read afresh."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, tuple[int, Tail, list[dict[str, Any]]]] = {}
+        self._seen: dict[str, Any] = {}  # local: (inode, Tail, events); object store: a SegmentCache
 
     def of(self, run_dir: str) -> list[dict[str, Any]]:
+        if not storage.is_local(run_dir):
+            directory = storage.join(run_dir, EVENTS_DIR)
+            cache = self._seen.get(directory)
+            if cache is None:
+                cache = self._seen[directory] = segments.SegmentCache(directory)
+            return segments.read_events(directory, cache)
         path = os.path.join(run_dir, EVENTS)
         try:
             st = os.stat(path)
@@ -400,7 +460,8 @@ class Histories:
 
     def keep_only(self, run_dirs: set[str]) -> None:
         """Forget the run directories not named (jobs no longer active)."""
-        keep = {os.path.join(rd, EVENTS) for rd in run_dirs}
+        keep = {os.path.join(rd, EVENTS) if storage.is_local(rd) else storage.join(rd, EVENTS_DIR)
+                for rd in run_dirs}
         for path in set(self._seen) - keep:
             del self._seen[path]
 
@@ -408,7 +469,9 @@ class Histories:
 def driver_logs(rd: str) -> list[str]:
     """The run record's driver output files, oldest first (their names start with the UTC
     time the driver started)."""
-    folder = os.path.join(rd, DRIVER_LOGS)
+    folder = storage.join(rd, DRIVER_LOGS)
+    if not storage.is_local(rd):
+        return [storage.join(folder, n) for n in sorted(storage.listdir(folder)) if n.endswith(".log")]
     try:
         return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".log")]
     except FileNotFoundError:

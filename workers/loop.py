@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers import events, failures, metrics_read, recovery, strategies, tasks
+from workers import checkpoint, events, failures, metrics_read, recovery, segments, storage, strategies, tasks
 from workers.checkpointing import CheckpointManager, rng_state, seed_everything, set_rng_state
 from workers.data.loader import read
 from workers.data.sampler import ResumableDistributedSampler
@@ -110,6 +110,7 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
     try:
         return _train(spec, env, watchdog)
     except Exception as exc:
+        _flush_record()  # so the steps this rank logged count in what the failure cost
         reached = max(metrics_read.reached(spec.run_dir).values(), default=0)
         kind = failures.record_worker_error(spec.run_dir, exc, rank=env.rank, step=watchdog.step + 1,
                                             attempt=watchdog.attempt, completed_steps=max(watchdog.step, reached),
@@ -120,7 +121,17 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
             ) from exc
         raise
     finally:
+        _flush_record()
         watchdog.stop()
+
+
+def _flush_record() -> None:
+    """Write what this process holds of the run record (on an object store, metrics are
+    flushed every few seconds): a Ray worker process outlives the attempt, or is killed."""
+    try:
+        segments.flush()
+    except Exception as e:  # the storage is unreachable: the error that brought us here matters more
+        print(f"[train] could not write the run record: {type(e).__name__}: {e}", flush=True)
 
 
 def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] | None:
@@ -257,8 +268,7 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
         return None
     watchdog.beat("writing the final weights")
     digest = state_sha256(weights)
-    os.makedirs(os.path.join(run_dir, "final"), exist_ok=True)
-    torch.save(weights, os.path.join(run_dir, "final", "model.pt"))
+    checkpoint.write_shard(storage.join(run_dir, "final"), "model.pt", weights)
     if accounting.pending:  # failed after the last step: nothing recomputed
         accounting.record(run_dir)
     scores = scores or {}

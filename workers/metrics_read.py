@@ -20,7 +20,7 @@ import json
 import os
 from typing import IO, Any
 
-from workers import events
+from workers import events, segments, storage
 
 Key = tuple[int, int]  # (attempt, step)
 _PROBE = 512  # a metrics line is a few hundred bytes; a probe reads about one
@@ -195,6 +195,8 @@ def last_steps(f: MetricsFile) -> dict[int, int]:
 
 def reached(run_dir: str) -> dict[int, int]:
     """last_steps of a run directory's metrics: {attempt: the last step it completed}."""
+    if not storage.is_local(run_dir):
+        return segments.metrics_reached(storage.join(run_dir, events.METRICS_DIR))
     try:
         with open(os.path.join(run_dir, events.METRICS), "rb") as raw:
             return last_steps(MetricsFile(raw))
@@ -234,7 +236,19 @@ def tail(path: str, limit: int = 1, chunk: int = _TAIL) -> list[dict[str, Any]]:
     return out[::-1]
 
 
+def after(run_dir: str, since_step: int = 0, limit: int = 10_000) -> list[dict[str, Any]]:
+    """A run directory's metrics lines after `since_step` (every attempt's), read from where
+    they start (locally a seek into metrics.jsonl; on an object store the segments that can
+    hold them)."""
+    if not storage.is_local(run_dir):
+        return segments.metrics_after(storage.join(run_dir, events.METRICS_DIR), since_step, limit)
+    return metrics_after(os.path.join(run_dir, events.METRICS), since_step, limit)
+
+
 def latest(run_dir: str) -> dict[str, Any] | None:
     """A run directory's newest metrics line (the newest attempt's newest step)."""
+    if not storage.is_local(run_dir):
+        rows = segments.metrics_tail(storage.join(run_dir, events.METRICS_DIR), 1)
+        return rows[0] if rows else None
     rows = tail(os.path.join(run_dir, events.METRICS))
     return rows[0] if rows else None

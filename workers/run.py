@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from workers import events, failures, metrics_read, ray_token
+from workers import events, failures, metrics_read, ray_token, segments, storage
 from workers.events import Kind
 from workers.spec import JobSpec, absolute_paths, load_spec, write_spec_json
 
@@ -42,7 +42,7 @@ def train_func(config: dict[str, Any]) -> None:
         # one, which it polls every 2 s: that stalled training ~1.8 s per checkpoint.
         ray.train.report(
             metrics,
-            checkpoint=Checkpoint.from_directory(path) if path else None,
+            checkpoint=_ray_checkpoint(Checkpoint, path),
             checkpoint_dir_name=f"checkpoints/step-{metrics['step']:06d}",
             checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
             checkpoint_upload_fn=_already_committed,
@@ -51,6 +51,13 @@ def train_func(config: dict[str, Any]) -> None:
 
     train(spec, WorkerEnv(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), on_checkpoint,
                           node_id=ray.get_runtime_context().get_node_id()))
+
+
+def _ray_checkpoint(cls, path: str | None):
+    if path is None:
+        return None
+    # A URI: Ray resolves its filesystem (pyarrow, the same AWS_* environment).
+    return cls.from_directory(path) if storage.is_local(path) else cls(path)
 
 
 def _already_committed(checkpoint, _dir_name: str):
@@ -63,10 +70,9 @@ class RunDirTaken(ValueError):
 
 def prepare_run_dir(spec: JobSpec) -> str:
     """Create the run directory and write spec.json once; a resubmission must match it."""
-    path = os.path.join(spec.run_dir, "spec.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            existing = JobSpec.model_validate_json(f.read())
+    path = storage.join(spec.run_dir, "spec.json")
+    if storage.exists(path):
+        existing = JobSpec.model_validate_json(storage.read_bytes(path))
         # The worker count may change between runs of one job (resume a stopped job
         # on fewer or more workers: sharded checkpoints reshard); nothing else may.
         if existing.model_copy(update={"workers": spec.workers}) != spec:
@@ -91,16 +97,47 @@ def tee_output(run_dir: str) -> str | None:
     tee = shutil.which("tee")
     if tee is None:
         return None
-    os.makedirs(os.path.join(run_dir, events.DRIVER_LOGS), exist_ok=True)
-    path = os.path.join(run_dir, events.DRIVER_LOGS,
-                        f"driver-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}.log")
+    name = f"driver-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}.log"
+    if storage.is_local(run_dir):
+        os.makedirs(os.path.join(run_dir, events.DRIVER_LOGS), exist_ok=True)
+        path = os.path.join(run_dir, events.DRIVER_LOGS, name)
+    else:
+        # An object store takes no append: tee writes a local spool (a cache), copied whole
+        # into the run record every few seconds and at the end (segments.mirror).
+        spool = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                             "elastic-train", "spool", storage.name(run_dir))
+        os.makedirs(spool, exist_ok=True)
+        path = os.path.join(spool, name)
+        segments.mirror(path, storage.join(run_dir, events.DRIVER_LOGS, name))
     for stream in (sys.stdout, sys.stderr):  # one tee each: stdout and stderr stay apart
         stream.flush()
         fd = stream.fileno()
         proc = subprocess.Popen([tee, "-a", "-i", path], stdin=subprocess.PIPE, stdout=fd, start_new_session=True)
         os.dup2(proc.stdin.fileno(), fd)
         proc.stdin.close()
+        if not storage.is_local(run_dir):
+            _tees.append(proc)
     return path
+
+
+_tees: list[subprocess.Popen] = []  # the tees whose spool is copied to an object store
+
+
+def flush_record() -> None:
+    """Before the process exits: on an object store, the driver's output reaches the run
+    record only through the spool's copy, so let tee write the last lines (it ends when
+    our ends of its pipes close), then copy every open segment and the spool."""
+    if _tees:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd in (1, 2):
+            os.close(fd)
+        for proc in _tees:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass  # another process holds the pipe open: copy what is there
+    segments.flush()
 
 
 def note_lost_driver(run_dir: str) -> None:
@@ -125,10 +162,13 @@ def forget_ray_snapshot(run_dir: str) -> None:
     starts on the same directory, refuses to start if one of them is gone. Retention is
     ours (checkpoint.prune) and so is resume (LATEST), so the snapshot of a previous
     driver only ever stops a resubmitted job; a new driver starts without it."""
-    try:
-        os.remove(os.path.join(run_dir, RAY_SNAPSHOT))
-    except FileNotFoundError:
-        pass
+    if storage.is_local(run_dir):
+        try:
+            os.remove(os.path.join(run_dir, RAY_SNAPSHOT))
+        except FileNotFoundError:
+            pass
+    else:
+        storage.remove_tree(storage.join(run_dir, RAY_SNAPSHOT))
 
 
 def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]:
@@ -259,7 +299,9 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
         print(notice, flush=True)
     note_lost_driver(run_dir)
     forget_ray_snapshot(run_dir)
-    reporter = Reporter(run_dir, started=started, board=BoardWriter(run_dir))
+    # TensorBoard's writer appends to local files: on an object store the run record has
+    # the same points (metrics segments), and no board is written.
+    reporter = Reporter(run_dir, started=started, board=BoardWriter(run_dir) if storage.is_local(run_dir) else None)
     events.emit(run_dir, events.JobStarted(pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS")))
     print(f"[train] job {spec.job_id}: {tasks.describe(spec)}, {spec.strategy}, "
           f"{spec.workers if not spec.elastic else f'{spec.workers.min}-{spec.workers.max}'} worker(s); "
@@ -384,6 +426,7 @@ if __name__ == "__main__":
     code = main(tee=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    flush_record()  # os._exit runs no atexit handler
     # Ray is shut down and every record is fsynced; tearing down torch's and Ray's
     # modules at interpreter exit only costs ~2 s after the job has ended.
     os._exit(code)

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from workers import storage
+
 MODELS = ("simple_cnn", "resnet18", "mlp", "gpt", "custom")
 IMAGE_DATASETS = ("mnist", "fashion_mnist", "cifar10", "idx", "image_folder", "synthetic")
 TEXT_DATASETS = ("python_source", "synthetic_tokens")
@@ -38,13 +40,29 @@ def default_storage() -> str:
 
 
 def check_storage(value: str) -> str:
-    """Storage must be a path every process reaches: an object store URI (s3://, gs://)
-    would become a local directory named `s3:` on each host, which is silently wrong."""
-    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", value)
-    if scheme and scheme.group(1).lower() != "file":
-        raise ValueError(f"storage {value!r}: object storage ({scheme.group(1)}://) is not supported yet; use a "
-                         "local path, or a shared filesystem mounted at the same path on every node")
-    return value[len("file://"):] if scheme else value
+    """Storage is a path every process reaches (local, or a shared filesystem mounted at
+    the same path on every node) or an object store's URI (s3://bucket/prefix, gs://...)
+    that fsspec has a filesystem for; its credentials and endpoint come from the standard
+    environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), never from the spec."""
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", value)
+    if scheme is None:
+        return value
+    protocol = scheme.group(1).lower()
+    if protocol == "file":
+        return scheme.group(2)
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError) as e:
+        raise ValueError(f"storage {value!r}: no filesystem for {protocol}:// ({e}); use s3://bucket/prefix, "
+                         "another URI fsspec knows, or a path every node reaches") from None
+    if not scheme.group(2).strip("/"):
+        raise ValueError(f"storage {value!r}: name a bucket (and optionally a prefix), as in {protocol}://bucket/runs")
+    if "@" in scheme.group(2).split("/", 1)[0]:
+        raise ValueError(f"storage {value!r}: credentials do not belong in the spec; set them in the environment "
+                         "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)")
+    return f"{protocol}://{scheme.group(2).rstrip('/')}"
 
 
 class _Part(BaseModel):
@@ -405,12 +423,13 @@ class JobSpec(_Part):
 
     @property
     def run_dir(self) -> str:
-        return os.path.join(self.storage, self.job_id)
+        return storage.join(self.storage, self.job_id)
 
 
 def load_spec(path: str | os.PathLike) -> JobSpec:
     """Parse a YAML or JSON spec file. Relative dataset paths resolve from the cwd."""
-    text = Path(path).read_text()
+    # The service names a run record's spec.json, which may be on an object store.
+    text = Path(path).read_text() if storage.is_local(str(path)) else storage.read_bytes(str(path)).decode()
     if str(path).endswith(".json"):
         data = json.loads(text)
     else:
@@ -434,14 +453,18 @@ def absolute_paths(spec: JobSpec, base: str | os.PathLike | None = None) -> JobS
     dataset = spec.dataset.model_copy(
         update={"root": fix(spec.dataset.root), "images": fix(spec.dataset.images), "labels": fix(spec.dataset.labels)}
     )
-    return spec.model_copy(update={"storage": fix(spec.storage), "dataset": dataset})
+    return spec.model_copy(update={"storage": fix(spec.storage) if storage.is_local(spec.storage) else spec.storage,
+                                   "dataset": dataset})
 
 
 def write_spec_json(spec: JobSpec) -> str:
     """Write <run dir>/spec.json once, atomically (fsync, then rename); return its path.
     It is immutable: an existing file is left as it is."""
-    path = os.path.join(spec.run_dir, "spec.json")
-    if os.path.exists(path):
+    path = storage.join(spec.run_dir, "spec.json")
+    if storage.exists(path):
+        return path
+    if not storage.is_local(path):
+        storage.write_bytes(path, spec.model_dump_json(indent=2).encode())  # one PUT: whole or absent
         return path
     os.makedirs(spec.run_dir, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"

@@ -72,6 +72,22 @@ def listdir(uri: str) -> list[str]:
         return []
 
 
+def sizes(uri: str) -> dict[str, int]:
+    """{name: size} of the files directly under `uri`, from one listing; {} when none."""
+    if is_local(uri):
+        path = local_path(uri)
+        try:
+            return {n: os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
+                    if os.path.isfile(os.path.join(path, n))}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+    try:
+        entries = _fs(uri).ls(uri, detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    return {name(e["name"]): e["size"] for e in entries if e.get("type") == "file"}
+
+
 def size(uri: str) -> int | None:
     """The size of the file at `uri`, or None when there is none."""
     if is_local(uri):

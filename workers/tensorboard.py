@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from workers import events
-from workers.events import Kind, Tail
+from workers.events import Kind
 
 DIR = "tensorboard"
 PROGRESS = "progress.json"
@@ -36,8 +36,8 @@ class BoardWriter:
 
     def __init__(self, run_dir: str):
         self.dir = board_dir(run_dir)
-        self.metrics = Tail(os.path.join(run_dir, events.METRICS))
-        self.events = Tail(os.path.join(run_dir, events.EVENTS))
+        self.metrics = events.tail(run_dir, events.METRICS)
+        self.events = events.tail(run_dir, events.EVENTS)
         self.last_step = self.last_val_step = 0
         # After an earlier driver: its points past the progress it saved are hidden.
         self.purge_step = self.last_step + 1 if self._load() else None

@@ -172,10 +172,12 @@ def test_storage_in_the_body_is_rejected(client, app, settings):
     assert job_count(app) == 0 and run_dirs(settings) == []
 
 
-def test_a_service_configured_with_object_storage_refuses_to_start(tmp_path, monkeypatch):
-    monkeypatch.setenv("ETRAIN_STORAGE", "s3://bucket/runs")
-    with pytest.raises(ValidationError, match="storage 's3://bucket/runs': object storage .* not supported yet"):
+def test_a_service_configured_with_storage_that_cannot_work_refuses_to_start_naming_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("ETRAIN_STORAGE", "nosuch://bucket/runs")
+    with pytest.raises(ValidationError, match="storage 'nosuch://bucket/runs': no filesystem for nosuch://"):
         Settings(data_dir=tmp_path)
+    monkeypatch.setenv("ETRAIN_STORAGE", "s3://bucket/runs/")
+    assert Settings(data_dir=tmp_path).runs_dir == "s3://bucket/runs"
 
 
 def _outside_paths(settings) -> list[tuple[str, dict]]:

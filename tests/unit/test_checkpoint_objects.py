@@ -13,7 +13,6 @@ import fsspec
 import pytest
 import torch.multiprocessing as mp
 
-from tests.helpers.s3 import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from workers import checkpoint as ckpt
 from workers import storage
 
@@ -33,7 +32,7 @@ def keys(uri):
 
 
 @pytest.fixture
-def run_dir(s3_bucket, tmp_path, monkeypatch):  # noqa: F811
+def run_dir(s3_bucket, tmp_path, monkeypatch):
     # Anything written to the local disk by mistake would land under the working directory
     # (a path "s3:/..." taken for a relative one): run from an empty one, and check it stays so.
     monkeypatch.chdir(tmp_path)
@@ -159,7 +158,7 @@ def _rank(rank: int, world: int, store: str, uri: str, env: dict, results) -> No
         dist.destroy_process_group()
 
 
-def test_fsdp_shards_go_through_dcp_to_the_object_store_and_load_back(run_dir, s3_server, tmp_path_factory):  # noqa: F811
+def test_fsdp_shards_go_through_dcp_to_the_object_store_and_load_back(run_dir, s3_server, tmp_path_factory):
     store = str(tmp_path_factory.mktemp("store") / "pg")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -46,14 +46,26 @@ def test_max_steps_does_not_get_default_epochs():
     assert spec.training.max_steps == 7 and spec.training.epochs is None
 
 
-@pytest.mark.parametrize("uri", ["s3://bucket/runs", "gs://bucket/runs", "S3://Bucket/x", "abfss://c@a/x"])
-def test_object_storage_is_refused_not_made_a_local_directory(uri, monkeypatch):
+@pytest.mark.parametrize(("uri", "stored"), [("s3://bucket/runs", "s3://bucket/runs"),
+                                             ("S3://bucket/runs/", "s3://bucket/runs")])
+def test_object_storage_is_a_uri_kept_as_one(uri, stored, monkeypatch):
     # Before, `s3://bucket/runs` became a local directory `s3:/bucket/runs` on each host.
-    with pytest.raises(ValidationError, match=re.escape(f"storage {uri!r}: object storage")):
-        JobSpec.model_validate({"storage": uri})
+    spec = JobSpec.model_validate({"storage": uri, "job_id": "j"})
+    assert spec.storage == stored and spec.run_dir == f"{stored}/j"
+    assert absolute_paths(spec).storage == stored  # never taken for a relative path
     monkeypatch.setenv("ETRAIN_STORAGE", uri)
-    with pytest.raises(ValidationError, match="is not supported yet; use a local path, or a shared filesystem"):
-        JobSpec.model_validate({})
+    assert JobSpec.model_validate({}).storage == stored
+
+
+@pytest.mark.parametrize(("uri", "says"), [
+    ("nosuch://bucket/runs", "no filesystem for nosuch://"),
+    ("gs://bucket/runs", "install gcsfs"),  # fsspec knows gs://, its package is not installed here
+    ("s3://", "name a bucket"),
+    ("s3://AKIA:secret@bucket/runs", "credentials do not belong in the spec"),
+])
+def test_object_storage_that_cannot_work_is_refused_naming_why(uri, says):
+    with pytest.raises(ValidationError, match=re.escape(says)):
+        JobSpec.model_validate({"storage": uri})
 
 
 def test_a_file_uri_is_its_path():
