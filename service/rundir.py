@@ -194,14 +194,17 @@ def _last_lines(path: str, n: int) -> tuple[list[str], bool]:
     """A file's last `n` lines, split at newlines only (a progress bar's carriage returns
     stay in its line; the last line gets a newline if it lacked one), and whether they
     are all the file holds."""
-    with storage.open_file(path, "rb") as f:
-        pos = f.seek(0, os.SEEK_END)
-        data = b""
-        while pos > 0 and data.count(b"\n") <= n:
-            step = min(_LOG_BLOCK, pos)
-            pos -= step
-            f.seek(pos)
-            data = f.read(step) + data
+    if not storage.is_local(path):  # a copy replaced whole every few seconds: one GET, not ranged reads
+        data, pos = storage.read_bytes(path), 0
+    else:
+        with open(path, "rb") as f:
+            pos = f.seek(0, os.SEEK_END)
+            data = b""
+            while pos > 0 and data.count(b"\n") <= n:
+                step = min(_LOG_BLOCK, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step) + data
     parts = data.split(b"\n")
     raw = [p + b"\n" for p in parts[:-1]] + ([parts[-1] + b"\n"] if parts[-1] else [])
     whole = pos == 0 and len(raw) <= n

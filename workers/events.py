@@ -310,7 +310,8 @@ def emit(run_dir: str, event: Event | str, *, durable: bool = True, **fields: An
         record = {"event": str(event), "time": time.time(), **fields}
     if storage.is_local(run_dir):
         append(os.path.join(run_dir, EVENTS), record, durable=durable)
-    else:  # every event is flushed at once: recovery decisions read them back
+    else:  # every event is flushed at once (recovery decisions read them back), metrics before it
+        segments.flush_run(run_dir)
         segments.writer(run_dir, EVENTS_DIR, segments.events_key).add(record, flush=True)
     return record
 

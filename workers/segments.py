@@ -102,6 +102,15 @@ def writer(run_dir: str, stream: str, sort_key) -> SegmentWriter:
         return _writers[key]
 
 
+def flush_run(run_dir: str) -> None:
+    """Write this process's open segments of one run now (before an event: a reader that
+    sees the event sees the metrics lines that came before it)."""
+    with _writers_lock:
+        writers = [w for (rd, _), w in _writers.items() if rd == run_dir]
+    for w in writers:
+        w.flush()
+
+
 def _start_flusher() -> None:
     """Called holding _writers_lock."""
     global _flusher

@@ -141,8 +141,12 @@ def write_bytes(uri: str, data: bytes) -> None:
 
 
 def read_bytes(uri: str) -> bytes:
-    with open_file(uri, "rb") as f:
-        return f.read()
+    """A whole file. On an object store one GET: an object replaced meanwhile is read as
+    one version or the other (a file handle's ranged reads would fail on the change)."""
+    if is_local(uri):
+        with open(local_path(uri), "rb") as f:
+            return f.read()
+    return _fs(uri).cat_file(uri)
 
 
 def remove_tree(uri: str) -> None:

@@ -50,11 +50,12 @@ class S3Server:
                 self.process.wait()
 
 
-def start_s3_server(log_path: str) -> S3Server:
+def start_s3_server(log_path: str, host: str = "127.0.0.1") -> S3Server:
+    """`host`: the address to listen on (a test's bridge to its network namespaces)."""
     port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
+    endpoint = f"http://{host}:{port}"
     with open(log_path, "ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     server = S3Server(endpoint, process)
     deadline = time.monotonic() + 60
