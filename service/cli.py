@@ -562,9 +562,13 @@ def tensorboard(
 
     if logdir is None:
         try:
-            logdir = Path(Settings(**({"data_dir": data_dir} if data_dir else {})).runs_dir)
+            runs = Settings(**({"data_dir": data_dir} if data_dir else {})).runs_dir
         except ValueError as e:
             _fail(f"bad ETRAIN_* setting: {_one_line(e)}")
+        if "://" in runs:
+            _fail(f"the jobs' storage is {runs}: runs on object storage write no TensorBoard files (the page "
+                  "and GET /v1/jobs/<id>/metrics have the same points)")
+        logdir = Path(runs)
     if not logdir.is_dir():
         _fail(f"no run directories at {logdir} (set --logdir to a job's storage)")
     target = logdir

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +114,19 @@ def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300) -> Outco
             proc.kill()
             proc.wait()
     return Outcome(proc.returncode, last_json_line(out), out, run_dir)
+
+
+def wait_while_running(what: str, predicate, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Poll `predicate` until it holds; fail, with the driver's log, if the job ends or the
+    time runs out first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended (rc {proc.returncode}) while waiting for {what}:\n{log.read_text()[-4000:]}")
+        if predicate():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"no {what} within {timeout}s:\n{log.read_text()[-4000:]}")
 
 
 def run_job(cluster: Cluster, spec: dict, tmp_path: Path, timeout: float = 300) -> Outcome:

@@ -55,7 +55,12 @@ def relative(path: str, start: str) -> str:
 def _fs(uri: str):
     import fsspec  # here: the control plane reads local run records without it
 
-    return fsspec.core.url_to_fs(uri)[0]
+    options = {}
+    if scheme(uri) in ("s3", "s3a") and os.environ.get("AWS_ENDPOINT_URL"):
+        # Named, so it is part of fsspec's instance cache key: a process whose environment
+        # names another endpoint later (a test's second server) gets a client for that one.
+        options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
+    return fsspec.core.url_to_fs(uri, **options)[0]
 
 
 def listdir(uri: str) -> list[str]:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from service.embedded import EmbeddedRay
-from tests.conftest import ROOT, Outcome, last_json_line, write_spec
+from tests.conftest import ROOT, Outcome, last_json_line, wait_while_running, write_spec
 from tests.helpers.paced import GATE_ENV
 from workers.run import START_TIMEOUT_ENV
 
@@ -36,17 +35,6 @@ def _events(run_dir, kind):
 def _steps(run_dir):
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def _wait(what, predicate, proc, log, timeout):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the job ended (rc {proc.returncode}) while waiting for {what}:\n{log.read_text()[-4000:]}")
-        if predicate():
-            return
-        time.sleep(0.5)
-    pytest.fail(f"no {what} within {timeout}s:\n{log.read_text()[-4000:]}")
 
 
 def _trained_at(run_dir, size: int) -> bool:
@@ -95,11 +83,11 @@ def test_elastic_job_shrinks_on_lost_node_and_grows_back(ray_cluster, tmp_path):
                                     env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         run_dir = tmp_path / "runs" / "elastic"
         try:
-            _wait("training on 2 workers", lambda: _trained_at(run_dir, 2), proc, log, 180)
+            wait_while_running("training on 2 workers", lambda: _trained_at(run_dir, 2), proc, log, 180)
             first.stop(grace_s=0)  # the node dies: SIGKILL to its raylet and workers
-            _wait("training on 1 worker after the node was lost", lambda: _trained_at(run_dir, 1), proc, log, 180)
+            wait_while_running("training on 1 worker after the node was lost", lambda: _trained_at(run_dir, 1), proc, log, 180)
             add_node("node-c")
-            _wait("training on 2 workers after a node joined", lambda: _trained_at(run_dir, 2)
+            wait_while_running("training on 2 workers after a node joined", lambda: _trained_at(run_dir, 2)
                   and len(_events(run_dir, "resized")) >= 2, proc, log, 180)
             gate.unlink()  # full speed from here: let it finish
             proc.wait(timeout=240)

@@ -22,7 +22,7 @@ import fsspec
 import pytest
 import yaml
 
-from tests.conftest import ROOT, last_json_line
+from tests.conftest import ROOT, last_json_line, wait_while_running
 from tests.helpers import netns
 from tests.helpers.s3 import start_s3_server
 from workers import events, metrics_read, ray_token, storage
@@ -132,17 +132,6 @@ def paced_job(job_id: str, workers, steps: int) -> dict:
     }
 
 
-def wait(what: str, predicate, proc: subprocess.Popen, log, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the job ended (rc {proc.returncode}) while waiting for {what}:\n{log.read_text()[-4000:]}")
-        if predicate():
-            return
-        time.sleep(0.5)
-    pytest.fail(f"no {what} within {timeout}s:\n{log.read_text()[-4000:]}")
-
-
 def finish(proc: subprocess.Popen, log, timeout: float = 300) -> dict:
     try:
         proc.wait(timeout=timeout)
@@ -176,7 +165,7 @@ def test_a_host_killed_whole_its_worker_resumes_on_the_third_host_from_the_objec
     proc = hosts.submit(put_spec(paced_job("host-lost", 2, 150)), log)
     run_dir = "s3://runs/jobs/host-lost"
     try:
-        wait("step 40", lambda: (metrics_read.latest(run_dir) or {}).get("step", 0) >= 40, proc, log)
+        wait_while_running("step 40", lambda: (metrics_read.latest(run_dir) or {}).get("step", 0) >= 40, proc, log)
         before = current_workers(run_dir)
         used = {hosts.host_of(w["pid"]).name for w in before}
         assert len(used) == 2, before  # one worker on each of two hosts
@@ -207,12 +196,12 @@ def test_an_elastic_job_shrinks_when_a_host_dies_and_grows_back_when_it_returns(
     proc = hosts.submit(put_spec(paced_job("elastic", {"min": 1, "max": 3, "resize_check_s": 5}, steps)), log)
     run_dir = "s3://runs/jobs/elastic"
     try:
-        wait("training on 3 workers", lambda: trained_at(run_dir, 3), proc, log)
+        wait_while_running("training on 3 workers", lambda: trained_at(run_dir, 3), proc, log)
         victim = hosts.host_of(current_workers(run_dir)[-1]["pid"])
         victim.kill()
-        wait("training on 2 workers after a host died", lambda: trained_at(run_dir, 2), proc, log)
+        wait_while_running("training on 2 workers after a host died", lambda: trained_at(run_dir, 2), proc, log)
         hosts.boot(victim)
-        wait("training on 3 workers after the host came back",
+        wait_while_running("training on 3 workers after the host came back",
              lambda: trained_at(run_dir, 3) and len(events.events(run_dir, Kind.RESIZED)) >= 2, proc, log)
         summary = finish(proc, log)
     finally:

@@ -29,6 +29,14 @@ def test_a_missing_job_is_one_error_line(tmp_path):
     assert "Traceback" not in result.output
 
 
+def test_runs_on_object_storage_say_there_are_no_tensorboard_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("ETRAIN_STORAGE", "s3://bucket/runs")
+    result = CliRunner().invoke(cli, ["tensorboard", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "error: the jobs' storage is s3://bucket/runs: runs on object storage write no TensorBoard files" in \
+        " ".join(result.output.split())
+
+
 def test_it_serves_a_jobs_scalars(tmp_path):
     run_dir = tmp_path / "job-tb"
     os.makedirs(run_dir)
