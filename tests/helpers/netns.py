@@ -1,11 +1,14 @@
 """Several hosts on one machine for tests: each host a network namespace with its own
 address on a bridge (loopback and these namespaces only, nothing else), and its own
-private /tmp (a tmpfs in a mount namespace of its own), so hosts share neither a network
-stack nor a scratch disk. Needs root (`ip netns`), as on the project's machines.
+scratch disk (a tmpfs mounted at net.scratch in a mount namespace of its own: the same
+path on every host, different files), so hosts share neither a network stack nor the
+disk they write to. Processes on a host get TMPDIR there; give Ray `--temp-dir` there
+too. Only the scratch is private: the code and the interpreter (which may live under
+/tmp, as in a CI clone) stay visible. Needs root (`ip netns`), as on the project's machines.
 
     with Network("etr") as net:             # the bridge, at net.gateway (10.77.N.1)
         head = net.host("head")             # a namespace, at head.ip
-        head.start(["ray", "start", ...])   # a process on that host (its own /tmp)
+        head.start(["ray", "start", "--temp-dir", f"{net.scratch}/ray", ...])
         head.kill()                         # the host dies whole: SIGKILL to every process in it
 
 A test's root-side servers (an S3 server) listen on net.gateway, which every host reaches.
@@ -17,12 +20,14 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 
-# Each host's process runs in a private mount namespace with a fresh tmpfs on /tmp: what
-# Ray and the job write to /tmp on one host is not seen by another, as on real machines.
-_PRIVATE_TMP = 'mount -t tmpfs -o size=4g,mode=1777 tmpfs /tmp && exec "$@"'
+# Each host's process runs in a private mount namespace with a fresh tmpfs on the scratch
+# path: what Ray and the job write there on one host is not seen by another, as on real
+# machines. $0 is the scratch path.
+_PRIVATE_SCRATCH = 'mount -t tmpfs -o size=4g,mode=1777 tmpfs "$0" && mkdir -p "$0/tmp" && exec "$@"'
 
 
 def available() -> str | None:
@@ -43,14 +48,15 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 class Host:
     name: str  # the namespace's name
     ip: str
+    scratch: str = ""
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def start(self, cmd: list[str], *, env: dict[str, str], log_path: str, cwd: str | None = None) -> subprocess.Popen:
-        """A process on this host, with /tmp of its own (a new one after each kill)."""
+        """A process on this host, with a scratch disk of its own (a new one after each kill)."""
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(["ip", "netns", "exec", self.name, "unshare", "--mount", "--propagation", "private",
-                                     "sh", "-c", _PRIVATE_TMP, "sh", *cmd],
-                                    env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     "sh", "-c", _PRIVATE_SCRATCH, self.scratch, *cmd],
+                                    env={**env, "TMPDIR": f"{self.scratch}/tmp"}, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         self.procs.append(proc)
         return proc
@@ -60,7 +66,8 @@ class Host:
         """A process in the namespaces (network and mount: the same /tmp) of process `of`
         of this host: a Ray driver must see its node's session directory."""
         pid = self._inner_pid(of)
-        proc = subprocess.Popen(["nsenter", "--target", str(pid), "--net", "--mount", *cmd], env=env, cwd=cwd,
+        proc = subprocess.Popen(["nsenter", "--target", str(pid), "--net", "--mount", *cmd],
+                                env={**env, "TMPDIR": f"{self.scratch}/tmp"}, cwd=cwd,
                                 start_new_session=True, **popen)
         self.procs.append(proc)
         return proc
@@ -104,10 +111,12 @@ class Network:
         self.subnet = f"10.{77 + tag % 100 // 50}.{tag % 250}"
         self.gateway = f"{self.subnet}.1"
         self.bridge = f"{self.prefix}br"
+        self.scratch = ""  # made by __enter__
         self.hosts: list[Host] = []
 
     def __enter__(self) -> Network:
         self.close()  # what a killed run of this pid left behind
+        self.scratch = tempfile.mkdtemp(prefix=f"{self.prefix}-scratch-")  # each host mounts its own over it
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
@@ -116,7 +125,7 @@ class Network:
     def host(self, name: str) -> Host:
         n = len(self.hosts) + 1
         ns, veth = f"{self.prefix}-{name}", f"{self.prefix}v{n}"
-        host = Host(ns, f"{self.subnet}.{10 + n}")
+        host = Host(ns, f"{self.subnet}.{10 + n}", self.scratch)
         _run("ip", "netns", "add", ns)
         _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _run("ip", "link", "set", veth, "master", self.bridge, "up")
@@ -136,6 +145,8 @@ class Network:
                 _run("ip", "netns", "del", ns, check=False)
         _run("ip", "link", "del", self.bridge, check=False)
         self.hosts = []
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __exit__(self, *exc) -> None:
         self.close()

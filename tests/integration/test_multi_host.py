@@ -1,6 +1,6 @@
 """Several hosts that share no disk: a Ray head and three worker hosts of one CPU slot
-each, every host its own network namespace with its own address and its own /tmp
-(tests/helpers/netns.py), the run record on a real S3-compatible server on the root side
+each, every host its own network namespace with its own address and its own scratch
+disk for Ray's temp dir and TMPDIR (tests/helpers/netns.py), the run record on a real S3-compatible server on the root side
 (moto's server mode on the bridge's address), the spec read from there too. Nothing of a
 run passes through a directory the hosts share.
 
@@ -51,7 +51,8 @@ class Hosts:
         self.env.pop("RAY_ADDRESS", None)
         self.head = net.host("head")
         self.head_proc = self.head.start(
-            [RAY, "start", "--head", "--block", "--node-ip-address", self.head.ip, "--port", str(GCS_PORT),
+            [RAY, "start", "--head", "--block", "--temp-dir", f"{net.scratch}/ray", "--node-ip-address", self.head.ip,
+             "--port", str(GCS_PORT),
              "--num-cpus", "0", "--dashboard-host", self.head.ip, "--disable-usage-stats"],
             env=self.env, log_path=str(logs / "head.log"))
         self.workers = [net.host(f"w{i}") for i in (1, 2, 3)]
@@ -65,8 +66,9 @@ class Hosts:
 
     def boot(self, host: netns.Host) -> None:
         """`ray start` on a worker host: a fresh /tmp, as after a reboot."""
-        host.start([RAY, "start", "--block", "--address", self.address, "--node-ip-address", host.ip, "--num-cpus",
-                    "1", "--disable-usage-stats"], env=self.env, log_path=str(self.logs / f"{host.name}.log"))
+        host.start([RAY, "start", "--block", "--temp-dir", f"{self.net.scratch}/ray", "--address", self.address,
+                    "--node-ip-address", host.ip, "--num-cpus", "1", "--disable-usage-stats"],
+                   env=self.env, log_path=str(self.logs / f"{host.name}.log"))
 
     def wait_cpus(self, n: int, timeout: float = 120) -> None:
         deadline, out = time.time() + timeout, ""
