@@ -558,6 +558,7 @@ def tensorboard(
     import subprocess
 
     from service.embedded import port_free
+    from workers import storage
     from workers.tensorboard import board_dir
 
     if logdir is None:
@@ -565,7 +566,7 @@ def tensorboard(
             runs = Settings(**({"data_dir": data_dir} if data_dir else {})).runs_dir
         except ValueError as e:
             _fail(f"bad ETRAIN_* setting: {_one_line(e)}")
-        if "://" in runs:
+        if not storage.is_local(runs):
             _fail(f"the jobs' storage is {runs}: runs on object storage write no TensorBoard files (the page "
                   "and GET /v1/jobs/<id>/metrics have the same points)")
         logdir = Path(runs)

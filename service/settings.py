@@ -11,7 +11,7 @@ from typing import Annotated
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from workers.spec import check_storage
+from workers.spec import cache_dir, check_storage
 
 # What must never reach a job: Ray jobs inherit the head's environment, and the head
 # `etrain serve` starts inherits serve's.
@@ -24,8 +24,7 @@ def without_secrets(env: dict[str, str]) -> dict[str, str]:
 
 
 def _default_data_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(cache) / "elastic-train"
+    return Path(cache_dir())
 
 
 class Settings(BaseSettings):

@@ -93,8 +93,7 @@ def commit(run_dir: str, step: int, meta: dict[str, Any]) -> str:
     manifest = Manifest(step=step, files=files, **meta)
     storage.write_bytes(storage.join(src, MANIFEST), manifest.model_dump_json(indent=1).encode())
     dst = path_of(run_dir, step)
-    if storage.is_local(run_dir):
-        storage.fsync_dir(storage.local_path(src))
+    if storage.is_local(run_dir):  # write_bytes fsynced the manifest and src
         storage.remove_tree(dst)  # there only when a replay after a failure recommitted this step
         storage.move_tree(src, dst)
     storage.write_bytes(storage.join(root(run_dir), LATEST), (step_name(step) + "\n").encode())
@@ -187,21 +186,22 @@ def prune(run_dir: str, keep: int) -> list[int]:
     return removed
 
 
-def clear_partial(run_dir: str) -> None:
+def clear_partial(run_dir: str, sound_steps: list[tuple[int, str]] | None = None) -> None:
     """Remove what a failed attempt half-wrote; call before any rank starts writing.
     Locally that is the .tmp-* directories. On an object store it is every step directory
     without a manifest, and every one newer than the newest sound checkpoint (it could not
     be loaded, and the next attempt will write that step again in place): those are set
-    aside, so no write ever lands in a prefix that holds another attempt's files."""
+    aside, so no write ever lands in a prefix that holds another attempt's files.
+    `sound_steps`: sound(run_dir), when the caller has it (it hashes the newest checkpoint)."""
     names = storage.listdir(root(run_dir))
     if storage.is_local(run_dir):
         for name in names:
             if name.startswith(".tmp-"):
                 storage.remove_tree(storage.join(root(run_dir), name))
         return
-    newest = latest(run_dir)
+    found = sound(run_dir) if sound_steps is None else sound_steps
     for step in committed_steps(run_dir):
-        if newest is None or step > newest[0]:
+        if not found or step > found[0][0]:
             if storage.exists(storage.join(path_of(run_dir, step), MANIFEST)):
                 set_aside(run_dir, step)
             else:

@@ -61,8 +61,8 @@ def begin(run_dir: str, world: int) -> tuple[Attempt, Recovery]:
     """Rank 0: clear what a failed attempt half-wrote, list the checkpoints to try, and
     record the attempt before anything that may fail, so an attempt that dies in set-up
     still counts (restarts, back-off); training_started follows once it can train."""
-    checkpoint.clear_partial(run_dir)
-    candidates = checkpoint.sound(run_dir)
+    candidates = checkpoint.sound(run_dir)  # steps without a manifest, or half-written locally, are not in it
+    checkpoint.clear_partial(run_dir, candidates)
     recovery = Recovery(run_dir, from_step=candidates[0][0] if candidates else 0, world_size=world)
     delay = failures.backoff_s(run_dir, recovery.attempt)
     if delay:

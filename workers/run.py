@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from workers import events, failures, metrics_read, ray_token, segments, storage
 from workers.events import Kind
-from workers.spec import JobSpec, absolute_paths, load_spec, write_spec_json
+from workers.spec import JobSpec, absolute_paths, cache_dir, load_spec, write_spec_json
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC = 0, 1, 2
 POLL_ENV, POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
@@ -104,8 +104,7 @@ def tee_output(run_dir: str) -> str | None:
     else:
         # An object store takes no append: tee writes a local spool (a cache), copied whole
         # into the run record every few seconds and at the end (segments.mirror).
-        spool = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                             "elastic-train", "spool", storage.name(run_dir))
+        spool = os.path.join(cache_dir(), "spool", storage.name(run_dir))
         os.makedirs(spool, exist_ok=True)
         path = os.path.join(spool, name)
         segments.mirror(path, storage.join(run_dir, events.DRIVER_LOGS, name))

@@ -200,16 +200,11 @@ class SegmentCache:
         self.directory = directory
         self.seen: dict[str, tuple[int, list[dict[str, Any]]]] = {}
 
-    def listing(self) -> dict[str, int]:
-        """{segment name: size}, from one LIST."""
-        return storage.sizes(self.directory)
-
-    def records(self, names: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
-        """Each segment's records (in name order), fetching only what changed."""
-        sizes = self.listing()
-        wanted = sorted(sizes) if names is None else [n for n in names if n in sizes]
+    def records(self) -> dict[str, list[dict[str, Any]]]:
+        """Each segment's records (in name order), from one LIST, fetching only what changed."""
+        sizes = storage.sizes(self.directory)
         out = {}
-        for name in wanted:
+        for name in sorted(sizes):
             cached = self.seen.get(name)
             if cached is None or cached[0] != sizes[name]:
                 data = storage.read_bytes(storage.join(self.directory, name))

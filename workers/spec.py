@@ -30,13 +30,18 @@ FAULT_KINDS = ("crash", "exception", "hang")
 FAULT_PHASES = ("step", "data", "checkpoint", "commit")
 
 
+def cache_dir() -> str:
+    """elastic-train's directory in the user's cache (XDG_CACHE_HOME, else ~/.cache)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return os.path.join(cache, "elastic-train")
+
+
 def default_storage() -> str:
     """Run directories live under the user's cache unless the spec says otherwise."""
     env = os.environ.get("ETRAIN_STORAGE")
     if env:
         return env
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return os.path.join(cache, "elastic-train", "runs")
+    return os.path.join(cache_dir(), "runs")
 
 
 def check_storage(value: str) -> str:
