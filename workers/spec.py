@@ -199,7 +199,16 @@ class EvaluationSpec(_Part):
         return value
 
 
+FAILURE_MODES = ("exact", "live")
+
+
 class FailureSpec(_Part):
+    mode: Literal[FAILURE_MODES] = Field(
+        "exact",
+        description="exact: a failed worker restarts the whole group from the newest committed checkpoint, "
+        "bit-identical to an undisturbed run; live: every worker is its own replica group (torchft), a failed "
+        "one is replaced and takes the current state from a live peer while the others keep training.",
+    )
     max_failures: int = Field(3, ge=-1, le=1000, description="Infrastructure failures to retry; -1: no limit.")
     collective_timeout_s: int = Field(
         30, ge=5, le=3600, description="A collective that waits this long fails (detects hangs)."
@@ -253,6 +262,34 @@ class FaultSpec(_Part):
         "step", description="step: before the step; data: while reading its batch; checkpoint: while the "
                             "checkpoint of at_step is written; commit: while rank 0 seals it.",
     )
+
+
+def live_error(spec: JobSpec) -> str | None:
+    """Why the spec cannot run in failure.mode live, or None. Ray 2.60's torchft
+    integration makes each worker its own replica group (a group of one), so what
+    crosses groups is data parallelism and nothing else."""
+    if spec.failure.mode != "live":
+        return None
+    if spec.strategy != "ddp":
+        return (f"failure.mode 'live' needs strategy 'ddp': each worker is its own replica group (Ray Train's "
+                f"torchft groups hold one worker), so a strategy that splits the model across workers "
+                f"({spec.strategy!r}) would lose part of it with every failed worker; use failure.mode 'exact'")
+    if spec.elastic:
+        return ("failure.mode 'live' needs a fixed worker count: Ray Train replaces a failed replica group only "
+                "at the same size, so an elastic range would restart every worker anyway")
+    if spec.workers < 2:
+        return "failure.mode 'live' needs at least 2 workers: with one there is no live peer to keep training"
+    if spec.precision == "fp16":
+        return ("failure.mode 'live' does not take precision 'fp16': a step's loss-scale skip would have to agree "
+                "across a changing set of replica groups; use 'bf16'")
+    if spec.parallel.async_checkpoint:
+        return "failure.mode 'live' writes checkpoints from one replica group; parallel.async_checkpoint does not apply"
+    if spec.evaluation is not None:
+        return ("failure.mode 'live' scores the validation split once, at the end: evaluation.every_steps would "
+                "be a collective across a changing set of replica groups")
+    if any(f.kind == "hang" or f.phase != "step" for f in spec.faults):
+        return "failure.mode 'live' injects faults of kind 'crash' or 'exception' in phase 'step' only"
+    return None
 
 
 def parallel_error(spec: JobSpec, world: int) -> str | None:
@@ -393,6 +430,9 @@ class JobSpec(_Part):
             mesh_error = parallel_error(self, size)
             if mesh_error:
                 raise ValueError(f"with {size} workers: {mesh_error}" if self.elastic else mesh_error)
+        live = live_error(self)
+        if live:
+            raise ValueError(live)
         if self.training.global_batch_size < self.max_workers:
             raise ValueError(
                 f"training.global_batch_size ({self.training.global_batch_size}) is smaller than the "

@@ -59,3 +59,11 @@ def test_absolute_paths_keep_symlinks_as_written(tmp_path):
     os.symlink(tmp_path / "real", tmp_path / "link")
     spec = load_spec(spec_file(tmp_path, dataset={"name": "image_folder", "root": "link/x"}))
     assert absolute_paths(spec, base=tmp_path).dataset.root == str(tmp_path / "link" / "x")
+
+
+def test_live_mode_for_a_strategy_it_cannot_serve_is_refused_before_any_worker_starts(tmp_path, capsys):
+    path = spec_file(tmp_path, strategy="fsdp", workers=3, failure={"mode": "live"})
+    assert main([str(path)]) == EXIT_BAD_SPEC
+    err = capsys.readouterr().err
+    assert "failure.mode 'live' needs strategy 'ddp'" in err
+    assert not (tmp_path / "runs").exists()  # refused while parsing: nothing was started or written

@@ -312,3 +312,28 @@ def test_elastic_workers_are_a_range():
     assert (spec.elastic, spec.min_workers, spec.max_workers) == (True, 1, 4)
     with pytest.raises(ValidationError, match=r"workers.min \(3\) is larger than workers.max \(2\)"):
         JobSpec.model_validate({"workers": {"min": 3, "max": 2}})
+
+
+LIVE = {"failure": {"mode": "live"}, "workers": 3}
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"strategy": "fsdp"}, "failure.mode 'live' needs strategy 'ddp'"),
+    ({**GPT, "strategy": "hybrid", "parallel": {"shard": 3}}, "each worker is its own replica group"),
+    ({"workers": {"min": 2, "max": 3}}, "needs a fixed worker count"),
+    ({"workers": 1}, "at least 2 workers"),
+    ({"precision": "fp16"}, "use 'bf16'"),
+    ({"evaluation": {"every_steps": 10}}, "scores the validation split once, at the end"),
+    ({"faults": [{"at_step": 3, "kind": "hang"}]}, "'crash' or 'exception' in phase 'step' only"),
+])
+def test_live_mode_refuses_what_it_cannot_serve_saying_why(fields, words):
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({**LIVE, **fields})
+    assert words in str(info.value)
+
+
+def test_exact_is_the_default_failure_mode_and_live_takes_ddp():
+    assert JobSpec().failure.mode == "exact"
+    assert JobSpec.model_validate({**LIVE, "precision": "bf16"}).failure.mode == "live"
+    with pytest.raises(ValidationError, match="failure.mode"):
+        JobSpec.model_validate({"failure": {"mode": "fast"}})
