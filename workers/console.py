@@ -119,6 +119,12 @@ class Reporter:
             who = f"rank {e['failed_rank']} failed" if e.get("failed_rank") is not None else "the driver was lost"
             self.say(f"recovered: {who} ({e.get('cause')}), resumed from step "
                      f"{e['from_step']}, recomputed {e['lost_steps']} step(s), {e['recovery_s']:.1f}s to this step")
+        elif kind == Kind.LIVE_RECOVERED:
+            self.failure_block()
+            ranks = ", ".join(map(str, e["failed_ranks"])) or "?"
+            back = f"rejoined {e['rejoin_s']:.1f}s after" if e.get("rejoin_s") is not None else "not rejoined by the end"
+            self.say(f"recovered live: rank {ranks} replaced while the others trained {e['survivor_steps']} step(s) "
+                     f"(stall {e['stall_s']:.1f}s, {back}); no worker restarted")
         elif kind == Kind.FINISHED:
             self.flush_progress()
             scores = {"loss": e.get("val_loss"), **(e.get("val_metrics") or {})}

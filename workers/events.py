@@ -46,11 +46,16 @@ class Kind(StrEnum):
     FAULT_INJECTED = "fault_injected"      # spec.faults fired
     WORKER_FAILED = "worker_failed"
     RESUMED = "resumed"                    # rank 0's first step after a failure: what it cost
+    LIVE_JOINED = "live_joined"            # failure.mode live: a replacement took the state from a live peer
+    LIVE_RECOVERED = "live_recovered"      # failure.mode live: every replica group trains again; what it cost
     WORKER_FINISHED = "worker_finished"    # each rank's peak memory and communication time
     FINISHED = "finished"                  # the verdict: trained to the end
     FAILED = "failed"                      # the verdict: the job failed
 
 
+# What a live recovery (failure.mode live) reports, in the summary and the job's status.
+LIVE_RECOVERY_KEYS = ("failed_ranks", "failed_after_step", "rejoined_at_step", "stall_s", "rejoin_s", "survivor_steps",
+                      "samples_skipped", "survivors_restarted")
 FAILURES = frozenset({Kind.WORKER_FAILED, Kind.FAULT_INJECTED, Kind.DRIVER_LOST})  # what ends an attempt
 VERDICTS = frozenset({Kind.FINISHED, Kind.FAILED})
 
@@ -95,6 +100,7 @@ class AttemptStarted(Event):
     from_step: int
     checkpoint: str | None = None
     total_steps: int | None = None
+    generation: str | None = None  # failure.mode live: the worker group start it belongs to
 
 
 class Backoff(Event):
@@ -182,6 +188,37 @@ class Resumed(Event):
     recovery_s: float
 
 
+class LiveJoined(Event):
+    """A replacement worker (failure.mode live) took the weights and optimizer state of
+    `step` from a live peer, over the network."""
+
+    EVENT = Kind.LIVE_JOINED
+    attempt: int
+    rank: int
+    group: int
+    pid: int
+    step: int
+    fetch_s: float  # from asking for a quorum to holding the peer's state
+
+
+class LiveRecovered(Event):
+    """Written by the survivors' leader (failure.mode live) at the first step every replica
+    group completed again, or at the end if none did. Times are measured from the end of
+    the last step every group completed, so they are upper bounds."""
+
+    EVENT = Kind.LIVE_RECOVERED
+    attempt: int
+    failed_ranks: list[int]  # the ranks whose replacements joined meanwhile (one group per worker)
+    groups: list[int]
+    failed_after_step: int  # the last step every group completed
+    rejoined_at_step: int | None  # the first step every group completed again
+    stall_s: float  # how long the survivors went without a completed step
+    rejoin_s: float | None  # to the end of the replacement's first step
+    survivor_steps: int  # steps the survivors completed without the missing groups
+    samples_skipped: int  # the missing groups' shares of those steps: trained by no one
+    survivors_restarted: bool  # always false: said, so a reader need not know the default
+
+
 class WorkerFinished(Event):
     EVENT = Kind.WORKER_FINISHED
     rank: int
@@ -232,6 +269,7 @@ class MetricsLine(BaseModel):
     val_loss: float | None = None
     val_accuracy: float | None = None
     val_metrics: dict[str, float] | None = None
+    groups: int | None = None  # failure.mode live: the replica groups that took part in the step
 
     def record(self) -> dict[str, Any]:
         return {"time": self.time, **self.model_dump(exclude_unset=True, exclude={"time"})}

@@ -39,6 +39,10 @@ class WorkerEnv:
     # Called on every rank after a commit; rank 0 gets the committed path, others None.
     on_checkpoint: Callable[[dict[str, Any], str | None], None] = lambda metrics, path: None
     node_id: str | None = None
+    # failure.mode live: which start of the worker group this worker belongs to (a
+    # replacement joins its survivors' one), and a barrier across that start's workers.
+    generation: str | None = None
+    barrier: Callable[[], None] | None = None
 
 
 @dataclass
@@ -108,6 +112,10 @@ def train(spec: JobSpec, env: WorkerEnv) -> dict[str, Any] | None:
     classified first (DESIGN.md invariant 4); a hang anywhere is the watchdog's."""
     watchdog = Watchdog(spec.failure.hang_timeout_s, spec.run_dir, env.rank).start()
     try:
+        if spec.failure.mode == "live":
+            from workers import live  # torchft: imported only where a job asks for it
+
+            return live.train(spec, env, watchdog)
         return _train(spec, env, watchdog)
     except Exception as exc:
         _flush_record()  # so the steps this rank logged count in what the failure cost

@@ -20,7 +20,8 @@ class Recovery:
         self.pending = self.attempt > 1
         if not self.pending:
             return
-        since = attempts[-1]["time"]
+        # A live recovery (failure.mode live) ended no attempt: count only what came after it.
+        since = max([attempts[-1]["time"]] + [e["time"] for e in history if e["event"] == Kind.LIVE_RECOVERED])
         recent = [e for e in history if e["time"] >= since]
         failed = [e for e in recent if e["event"] in events.FAILURES]
         culprit = failures.culprit(failed) or {}
@@ -57,7 +58,7 @@ class Attempt:
     delay_s: float  # back-off before set-up
 
 
-def begin(run_dir: str, world: int) -> tuple[Attempt, Recovery]:
+def begin(run_dir: str, world: int, generation: str | None = None) -> tuple[Attempt, Recovery]:
     """Rank 0: clear what a failed attempt half-wrote, list the checkpoints to try, and
     record the attempt before anything that may fail, so an attempt that dies in set-up
     still counts (restarts, back-off); training_started follows once it can train."""
@@ -70,7 +71,8 @@ def begin(run_dir: str, world: int) -> tuple[Attempt, Recovery]:
                                             reason="the previous attempts failed at the same step"))
     note_resize(run_dir, recovery.attempt, world, recovery.from_step)
     events.emit(run_dir, events.AttemptStarted(attempt=recovery.attempt, world_size=world, from_step=recovery.from_step,
-                                               checkpoint=candidates[0][1] if candidates else None))
+                                               checkpoint=candidates[0][1] if candidates else None,
+                                               **({"generation": generation} if generation else {})))
     return Attempt(recovery.attempt, candidates, delay), recovery
 
 

@@ -49,8 +49,18 @@ def train_func(config: dict[str, Any]) -> None:
             delete_local_checkpoint_after_upload=False,
         )
 
-    train(spec, WorkerEnv(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), on_checkpoint,
-                          node_id=ray.get_runtime_context().get_node_id()))
+    env = WorkerEnv(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), on_checkpoint,
+                    node_id=ray.get_runtime_context().get_node_id())
+    if spec.failure.mode == "live":
+        from ray.train.collective import barrier
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        # Ray Train makes one synchronization actor per start of the worker group and hands
+        # it to the replacements of failed groups too: its id tells the two apart. No public
+        # API says whether a worker is a replacement.
+        env.generation = get_train_context().get_synchronization_actor()._actor_id.hex()
+        env.barrier = barrier
+    train(spec, env)
 
 
 def _ray_checkpoint(cls, path: str | None):
@@ -190,6 +200,9 @@ def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]
         "recoveries": [
             {k: r.get(k) for k in ("failed_rank", "cause", "from_step", "lost_steps", "recovery_s")} for r in resumed
         ],
+        # failure.mode live: failures the survivors trained through, no restart
+        "live_recoveries": [{k: r.get(k) for k in events.LIVE_RECOVERY_KEYS}
+                            for r in events.events(run_dir, Kind.LIVE_RECOVERED)],
         "world_size": attempts[-1].get("world_size") if attempts else None,
         "resizes": [{k: r.get(k) for k in ("old_size", "new_size", "from_step")}
                     for r in events.events(run_dir, Kind.RESIZED)],
@@ -276,7 +289,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
     copy this process's output into the run record (the entrypoint does)."""
     ray_token.ensure()  # before Ray is imported: it reads RAY_AUTH_MODE once, at import
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from workers.console import QuietRay, Reporter
     from workers.data import check_available
@@ -325,7 +338,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
             resources_per_worker={"CPU": spec.resources.cpu, **({"GPU": spec.resources.gpu} if use_gpu else {}),
                                   **spec.resources.custom},
         ),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=spec.failure.collective_timeout_s),
+        torch_config=_torch_config(spec, use_gpu),
         run_config=RunConfig(
             name=spec.job_id,
             storage_path=spec.storage,
@@ -355,6 +368,22 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
     sys.stdout = stdout
     sys.stdout.flush()
     return summary
+
+
+def _torch_config(spec: JobSpec, use_gpu: bool):
+    from ray.train.torch import TorchConfig
+
+    backend = "nccl" if use_gpu else "gloo"
+    if spec.failure.mode == "live":
+        # Each worker its own replica group, a torchft lighthouse on the head; Ray Train
+        # replaces only a failed group.
+        from ray.train.v2.torch.torchft_config import TorchftConfig
+
+        from workers.live import lighthouse_kwargs
+
+        return TorchftConfig(lighthouse_kwargs=lighthouse_kwargs(), backend=backend,
+                             timeout_s=spec.failure.collective_timeout_s)
+    return TorchConfig(backend=backend, timeout_s=spec.failure.collective_timeout_s)
 
 
 def _start_failure(spec: JobSpec, error: str) -> str:
