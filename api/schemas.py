@@ -32,6 +32,10 @@ class JobPublic(BaseModel):
     steps_recomputed: int = Field(0, description="Steps trained again after failures.")
     recovery_s: list[float | None] = Field(default_factory=list,
                                            description="Seconds from each failure to the next completed step.")
+    live_recoveries: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="failure.mode live: each failure the others trained through (failed_ranks, stall_s, rejoin_s, "
+                    "survivor_steps, samples_skipped, survivors_restarted false).")
     progress: Progress = Field(default_factory=Progress)
     latest_metrics: dict[str, Any] | None = Field(None, description="The newest metrics line.")
     latest_checkpoint: dict[str, Any] | None = Field(None, description="The newest committed checkpoint.")

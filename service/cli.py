@@ -369,7 +369,7 @@ def watch_job(client: httpx.Client, job_id: str, on_tick=None, interval_s: float
     """Live progress until the job ends; each recovery is shown as it happens. While the
     API is away (restarted, say) it keeps retrying, and carries on once it is back."""
     notes: list[str] = []
-    seen, announced = 0, False
+    seen, seen_live, announced = 0, 0, False
     job, down_since = None, None
     history: list[dict] = []
     offset = 0  # the events file only grows: each poll asks for what was written since the last
@@ -393,6 +393,13 @@ def watch_job(client: httpx.Client, job_id: str, on_tick=None, interval_s: float
                              f"resumed from step {r['from_step']}, {r['lost_steps']} step(s) recomputed, "
                              f"{r['recovery_s']:.1f}s to the next step")
             seen = len(resumed)
+            live_done = [e for e in history if e["event"] == Kind.LIVE_RECOVERED]
+            for r in live_done[seen_live:]:
+                rejoined = f"rejoined in {r['rejoin_s']:.1f}s" if r.get("rejoin_s") is not None else "not rejoined"
+                notes.append(f"[yellow]recovered live[/yellow]: rank {', '.join(map(str, r['failed_ranks'])) or '?'} "
+                             f"replaced while the others trained ({r['survivor_steps']} steps, stall "
+                             f"{r['stall_s']:.1f}s, {rejoined}); no worker restarted")
+            seen_live = len(live_done)
             # The phase is read from the run directory on each request: no reconciler lag.
             recovering = (job.get("progress") or {}).get("phase") == "recovering"
             if recovering and not announced and job["state"] not in TERMINAL:
@@ -449,6 +456,12 @@ def status(job_id: str, output: OutputOpt = Output.text, url: UrlOpt = "http://1
     recoveries = [f"{r:.1f}s" for r in job.get("recovery_s") or [] if r is not None]
     table.add_row("restarts", f"{job.get('restarts', 0)}   steps recomputed {job.get('steps_recomputed', 0)}"
                   + (f"   recoveries {', '.join(recoveries)}" if recoveries else ""))
+    live = job.get("live_recoveries") or []
+    if live:
+        table.add_row("live recoveries", ", ".join(
+            f"rank {','.join(map(str, r.get('failed_ranks') or [])) or '?'}: stall {r['stall_s']:.1f}s"
+            + (f", rejoined {r['rejoin_s']:.1f}s" if r.get("rejoin_s") is not None else ", not rejoined")
+            for r in live) + "   (survivors not restarted)")
     if job.get("resubmits"):
         table.add_row("resubmits", f"{job['resubmits']} (the Ray driver was lost)")
     result = job.get("result") or {}

@@ -105,6 +105,8 @@ def summary(rd: str, history: list[dict[str, Any]] | None = None) -> dict[str, A
         "restarts": max(0, len(attempts) - 1),
         "steps_recomputed": sum(r.get("lost_steps", 0) for r in resumed),
         "recovery_s": [r.get("recovery_s") for r in resumed],
+        "live_recoveries": [{k: e.get(k) for k in events.LIVE_RECOVERY_KEYS}
+                            for e in history if e["event"] == Kind.LIVE_RECOVERED],
         "last_resumed_at": resumed[-1]["time"] if resumed else None,
         "progress": {
             "step": (finished or {}).get("final_step") or (latest or {}).get("step", 0),

@@ -25,6 +25,7 @@ def to_public(job: ledger.Job | ledger.JobRow, settings, gateway, sessions) -> J
     return JobPublic(
         id=job.id, state=job.state, attempts=info["attempts"], restarts=info["restarts"], resubmits=job.resubmits,
         steps_recomputed=info["steps_recomputed"], recovery_s=info["recovery_s"],
+        live_recoveries=info.get("live_recoveries") or [],
         progress={**info["progress"], "phase": jobs.phase(job, info)}, latest_metrics=info["latest_metrics"],
         latest_checkpoint=info["latest_checkpoint"], result=info["result"], submission_id=job.submission_id,
         dashboard_url=f"{gateway.dashboard_url}/#/jobs/{job.submission_id}" if job.submission_id else None,

@@ -6,6 +6,7 @@ const POLL_MS = 2000;
 const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
 // KIND and FAILURE_KINDS come from /kinds.js, made from the run record's own definitions
 // (workers/events.py): the page names no event kind of its own.
+const RECOVERY_KINDS = new Set([KIND.RESUMED, KIND.LIVE_RECOVERED]);
 const QUIET = new Set([KIND.WORKER_STARTED, KIND.WORKER_FINISHED, KIND.TRAINING_STARTED]);
 const $ = (sel, root = document) => root.querySelector(sel);
 
@@ -410,8 +411,8 @@ class JobView {
     const val = this.validation();
     const v = val[val.length - 1] || {};
     const ckpt = this.job.latest_checkpoint;
-    const recov = this.events.filter((e) => e.event === KIND.RESUMED);
-    const secs = recov.map((e) => e.recovery_s ?? e.stall_s).filter((s) => s !== undefined && s !== null);
+    const recov = this.events.filter((e) => RECOVERY_KINDS.has(e.event));
+    const secs = recov.map((e) => e.recovery_s ?? e.rejoin_s ?? e.stall_s).filter((s) => s !== undefined && s !== null);
     const cards = [
       ["Training loss", fmt(last.loss), losses.length ? `smoothed ${fmt(losses[losses.length - 1][1])}` : ""],
       ["Validation loss", fmt(v.val_loss), v.step !== undefined ? (this.job.result && val.length === 1 && !this.rows.some((r) => r.val_loss != null) ? "final" : `at step ${v.step}`) : "not scored yet"],
@@ -461,11 +462,12 @@ class JobView {
   }
 
   drawRecoveries() {
-    const resumed = this.events.filter((e) => e.event === KIND.RESUMED);
+    const resumed = this.events.filter((e) => RECOVERY_KINDS.has(e.event));
     $("#no-recoveries", this.root).hidden = resumed.length > 0;
+    // A live recovery (failure.mode live): the survivors kept training, nothing was recomputed.
     $("#recoveries tbody", this.root).replaceChildren(...resumed.map((e) => html(`<table><tr class="recovery">
-      <td>${clock(e.time)}</td><td>${esc(who(e))}</td><td>${esc(e.cause ?? "–")}</td>
-      <td class="num">${e.from_step}</td><td class="num">${e.lost_steps ?? "–"}</td>
+      <td>${clock(e.time)}</td><td>${esc(who(e))}</td><td>${esc(e.event === KIND.LIVE_RECOVERED ? "live: survivors kept training" : e.cause ?? "–")}</td>
+      <td class="num">${e.from_step ?? e.failed_after_step}</td><td class="num">${e.lost_steps ?? 0}</td>
       <td class="num">${recoveryTime(e)}</td></tr></table>`).querySelector("tr")));
   }
 
@@ -529,6 +531,7 @@ function bytes(n) {
 
 function who(e) {
   if (e.failed_rank !== null && e.failed_rank !== undefined) return `rank ${e.failed_rank}`;
+  if (e.failed_ranks) return e.failed_ranks.length ? `rank ${e.failed_ranks.join(", ")}` : "a worker";
   return e.cause === "resize" ? "(resize)" : "driver";
 }
 
@@ -538,6 +541,7 @@ function seconds(s) {
 
 function recoveryTime(e) {
   if (e.recovery_s !== undefined && e.recovery_s !== null) return seconds(e.recovery_s);
+  if (e.rejoin_s !== undefined && e.rejoin_s !== null) return `${seconds(e.rejoin_s)} (stall ${seconds(e.stall_s)})`;
   if (e.stall_s !== undefined && e.stall_s !== null) return `${seconds(e.stall_s)} stall`;
   return "–";
 }
@@ -562,6 +566,11 @@ function describe(e) {
     case KIND.RESIZED: return `Resized: ${e.old_size} → ${e.new_size} workers at step ${e.from_step}`;
     case KIND.RESUMED: return `Recovered from ${who(e)} failure (${e.cause ?? "?"}): resumed from step ${e.from_step}, ` +
       `${e.lost_steps ?? "?"} steps recomputed, ${recoveryTime(e)}`;
+    case KIND.LIVE_RECOVERED: return `Live recovery from ${who(e)} failure: the others kept training ` +
+      `(${e.survivor_steps} steps, stalled ${seconds(e.stall_s)})` +
+      (e.rejoin_s !== null && e.rejoin_s !== undefined ? `, rejoined in ${seconds(e.rejoin_s)}` : ", not rejoined before the end") +
+      `; ${e.samples_skipped} samples of the missing group skipped`;
+    case KIND.LIVE_JOINED: return `Rank ${e.rank} replaced: took the state of step ${e.step} from a live peer in ${seconds(e.fetch_s)}`;
     case KIND.FINISHED: return `Finished at step ${e.final_step}: loss ${fmt(e.loss)}` +
       (e.val_loss !== undefined && e.val_loss !== null ? `, val loss ${fmt(e.val_loss)}` : "") +
       (e.val_accuracy !== undefined && e.val_accuracy !== null ? `, val accuracy ${(100 * e.val_accuracy).toFixed(1)}%` : "");
@@ -582,6 +591,9 @@ function chartMarkers(events, lastStep) {
       const label = describe(e);
       if (e.lost_steps) out.push({ kind: "recomputed", x0: e.from_step, x: e.reached_step ?? e.from_step + e.lost_steps, label });
       out.push({ kind: "failure", x: e.reached_step ?? e.from_step, short: `✕ ${who(e)}`, label });
+      pending = [];
+    } else if (e.event === KIND.LIVE_RECOVERED) {
+      out.push({ kind: "failure", x: e.failed_after_step, short: `✕ ${who(e)} (live)`, label: describe(e) });
       pending = [];
     } else if (e.event === KIND.RESIZED) {
       out.push({ kind: "resize", x: e.from_step, short: `${e.old_size}→${e.new_size}`, label: describe(e) });

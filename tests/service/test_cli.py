@@ -113,6 +113,26 @@ def test_status_is_a_short_summary(server):
     assert len(lines) <= 8 and "{" not in out
 
 
+def test_status_and_the_api_show_a_live_recovery(server):
+    _, _, data_dir = server
+    spec = data_dir / "job.yaml"
+    spec.write_text("job_id: livejob\nmodel: simple_cnn\nworkers: 3\nfailure: {mode: live}\n")
+    run = CliRunner().invoke
+    assert run(cli, ["submit", str(spec)]).exit_code == 0, run(cli, ["submit", str(spec)]).output
+    rd = str(data_dir / "runs" / "livejob")
+    training(rd, {0: 11, 1: 12, 2: 13})
+    events.emit(rd, events.LiveRecovered(
+        attempt=1, failed_ranks=[1], groups=[1], failed_after_step=1, rejoined_at_step=9, stall_s=2.25,
+        rejoin_s=7.5, survivor_steps=7, samples_skipped=224, survivors_restarted=False))
+    out = run(cli, ["status", "livejob"]).output
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert "restarts 0 steps recomputed 0" in lines, out
+    assert "live recoveries rank 1: stall 2.2s, rejoined 7.5s (survivors not restarted)" in lines, out
+    shown = json.loads(run(cli, ["status", "livejob", "--output", "json"]).output)
+    (live,) = shown["live_recoveries"]
+    assert live["survivors_restarted"] is False and live["stall_s"] == 2.25 and live["survivor_steps"] == 7
+
+
 def error_line(result) -> str:
     """The one line a failed command prints: `error: ...`, no traceback."""
     assert result.exit_code != 0, result.output
