@@ -31,12 +31,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from common import host
-from vs_torchrun import Run, job_spec, log, recovery, run_ray, run_torchrun, startup_s, throughput
+from common import host  # noqa: E402
+from vs_torchrun import (  # noqa: E402
+    Run, job_spec, launch_phases, log, phases_line, recovery, restart_phases, run_ray, run_torchrun, startup_s,
+    throughput)
 
-from workers import events
-from workers.events import Kind
-from workers.spec import JobSpec
+from workers import events  # noqa: E402
+from workers.events import Kind  # noqa: E402
+from workers.spec import JobSpec  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results", "live_recovery.txt")
 
@@ -114,10 +116,18 @@ def report(args, runs: dict[tuple[str, bool], Run], load: tuple[list[float], lis
                    live["restarts"])
         else:
             r = rec[s] or {}
-            row = ((1 if r else 0) if (s, True) in runs else "-", f(r.get("recovery_s")), r.get("lost_steps", "-"), r.get("restarts", "-"))
+            row = ((1 if r else 0) if (s, True) in runs else "-", f(r.get("recovery_s")), r.get("lost_steps", "-"),
+                   r.get("restarts", "-"))
         lines.append(f"{s:<9} {f(t, '{:.0f}'):>10} {f(start[s], '{:.1f}'):>16} {row[0]:>9} {row[1]:>15} "
                      f"{row[2]:>11} {row[3]:>9}")
     lines.append("")
+    phases = {}
+    for s in systems:
+        if (s, False) in runs:
+            phases[f"{s} launch"] = launch_phases(runs[(s, False)])
+        if (s, True) in runs and s != "live":
+            phases[f"{s} restart"] = restart_phases(runs[(s, True)])
+    lines += [phases_line(f"{label}, s", p) for label, p in phases.items()] + [""]
     if crashed_live:
         lines.append(
             f"live: {live['recoveries']} recoveries of {live['failures']} failures; survivors' stall p50 "
@@ -139,7 +149,8 @@ def report(args, runs: dict[tuple[str, bool], Run], load: tuple[list[float], lis
     failed = [r.name for r in runs.values() if not r.ok]
     if failed:
         lines.append(f"failed runs (figures above still drawn from their events): {', '.join(failed)}")
-    data = {"host": where, "failed": failed, "throughput": thr, "startup_s": start, "recovery": rec, "live": live}
+    data = {"host": where, "failed": failed, "phases_s": phases, "throughput": thr, "startup_s": start,
+            "recovery": rec, "live": live}
     return "\n".join(lines), data
 
 

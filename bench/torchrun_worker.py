@@ -15,6 +15,7 @@ import ipaddress
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +38,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from workers.loop import WorkerEnv, train
+    from workers.process_clock import process_started
     from workers.spec import JobSpec
 
     with open(argv[0]) as f:
@@ -55,7 +57,7 @@ def main(argv: list[str]) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=spec.failure.collective_timeout_s))
     try:
-        train(spec, WorkerEnv(rank, world, local_rank))
+        train(spec, WorkerEnv(rank, world, local_rank, process_started=process_started(), ready=time.time()))
     finally:
         dist.destroy_process_group()
     return 0

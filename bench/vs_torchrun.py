@@ -268,6 +268,74 @@ def recovery(run: Run) -> dict[str, Any] | None:
     return out
 
 
+def _phases(points: list[tuple[str, float | None]]) -> dict[str, float] | None:
+    """Consecutive differences of named instants, in time order; a phase whose instant
+    is unknown is folded into the next known one (so the phases always add up to the whole)."""
+    known = sorted(((name, t) for name, t in points if t is not None), key=lambda p: p[1])
+    if len(known) < 2:
+        return None
+    return {name: round(t - prev, 3) for (_, prev), (name, t) in zip(known, known[1:])}
+
+
+def _started(run: Run, attempt: int) -> list[dict]:
+    return [w for w in events.events(run.run_dir, Kind.WORKER_STARTED) if w.get("attempt") == attempt]
+
+
+def _latest(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def restart_phases(run: Run) -> dict[str, float] | None:
+    """Where a restart's seconds went, failure to the next completed step. The slowest
+    worker gates each phase, so each instant is the last worker's."""
+    resumed = next(iter(events.events(run.run_dir, Kind.RESUMED)), None)
+    fault = next(iter(events.events(run.run_dir, Kind.FAULT_INJECTED)), None)
+    if not resumed or not fault:
+        return None
+    failed = [f for f in events.events(run.run_dir, Kind.WORKER_FAILED) if f["time"] >= fault["time"]]
+    workers = _started(run, resumed["attempt"])
+    return _phases([
+        ("fault", fault["time"]),
+        # A survivor's collective failed on the dead peer (its own worker_failed).
+        ("peers noticed", next((f["time"] for f in failed if not f.get("process_died")), None)),
+        # Ray Train's controller saw the dead process (torchrun writes no such event).
+        ("controller noticed", next((f["time"] for f in failed if f.get("process_died")), None)),
+        # Old group torn down, new placement group and actors scheduled, processes forked.
+        ("processes started", _latest(w.get("process_started") for w in workers)),
+        # Interpreter and Ray worker boot, imports, the train context, the process group.
+        ("process group up", _latest(w.get("ready") for w in workers)),
+        # The task, its data and model, the strategy.
+        ("task built", _latest(w["time"] for w in workers)),
+        # The checkpoint read and the first step trained.
+        ("first step", resumed["time"]),
+    ])
+
+
+def launch_phases(run: Run) -> dict[str, float] | None:
+    """Where launch to first step went (the undisturbed run)."""
+    started = next(iter(events.events(run.run_dir, Kind.JOB_STARTED)), None)
+    first = min((m["time"] for m in events.metrics(run.run_dir) if m.get("attempt") == 1), default=None)
+    if not started or first is None:
+        return None
+    workers = _started(run, 1)
+    return _phases([
+        ("job started", started["time"]),
+        # Cluster (Ray: ray.init starts one; torchrun: the agent), controller, placement group.
+        ("processes started", _latest(w.get("process_started") for w in workers)),
+        ("process group up", _latest(w.get("ready") for w in workers)),
+        ("task built", _latest(w["time"] for w in workers)),
+        ("first step", first),
+    ])
+
+
+def phases_line(label: str, phases: dict[str, float] | None) -> str:
+    if not phases:
+        return f"{label}: -"
+    return f"{label}: " + ", ".join(f"-> {name} {s:.2f}" for name, s in phases.items()) + \
+        f" (total {sum(phases.values()):.2f} s)"
+
+
 def digest(run: Run) -> str | None:
     finished = events.events(run.run_dir, Kind.FINISHED)
     return finished[-1].get("weights_sha256") if finished else None
@@ -346,6 +414,12 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
     a, b = sha.get(("ray", False)), sha.get(("torchrun", False))
     lines.append(f"ray and torchrun end with the same weights: {'yes' if a and a == b else ('no' if a and b else '-')}")
     lines.append("")
+    for s in SYSTEMS:
+        if (s, False) in runs:
+            lines.append(phases_line(f"{s} launch, s", launch_phases(runs[(s, False)])))
+        if (s, True) in runs:
+            lines.append(phases_line(f"{s} restart, s", restart_phases(runs[(s, True)])))
+    lines.append("")
     for (s, c), r in sorted(runs.items()):
         status = "ok" if r.ok else f"FAILED (rc {r.rc}{', timed out' if r.timed_out else ''})"
         good &= r.ok
@@ -363,6 +437,8 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
             # "exact": resumed from the newest committed checkpoint, weights bit-identical to the
             # undisturbed run. A "live" recovery mode, once there is one, adds rows of its own.
             "recovery": [{"mode": "exact", **rec[s]}] if rec[s] else [],
+            "launch_phases_s": launch_phases(runs[(s, False)]) if (s, False) in runs else None,
+            "restart_phases_s": restart_phases(runs[(s, True)]) if (s, True) in runs else None,
             "recovered_equals_undisturbed": same[s],
             "ok": all(runs[(s, c)].ok for c in (False, True) if (s, c) in runs),
         }

@@ -124,6 +124,8 @@ class WorkerStarted(Event):
     rank: int
     pid: int
     node_id: str | None = None
+    process_started: float | None = None  # when the worker's process began
+    ready: float | None = None  # when the training code got control, the process group up
 
 
 class TrainingStarted(Event):

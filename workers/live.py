@@ -1,8 +1,8 @@
 """failure.mode live: the survivors of a failure keep training.
 
 Every worker is its own replica group (Ray Train's TorchftConfig; its groups hold one
-worker). torchft's Manager forms a quorum of the live groups before each step and
-averages gradients over it, so a dead group drops out after the lighthouse stops
+worker). torchft's Manager forms a quorum of the live groups at each step and averages
+the gradients over it, so a dead group drops out after the lighthouse stops
 hearing from it and the others go on. Ray Train replaces only the failed group; the
 newcomer's first quorum finds it behind the others and it takes their current weights,
 optimizer and schedule from a live peer over the process group (torchft's PGTransport),
@@ -92,7 +92,8 @@ class Tracker:
             self.outage, self.last_full = None, (step, now)
         elif self.last_full is not None:
             if self.outage is None:
-                self.outage = Outage(failed_after_step=self.last_full[0], failed_at=self.last_full[1], first_step_at=now)
+                self.outage = Outage(failed_after_step=self.last_full[0], failed_at=self.last_full[1],
+                                     first_step_at=now)
             self.outage.survivor_steps += 1
             self.outage.samples_skipped += self.share * (self.groups - participants)
 
@@ -121,7 +122,7 @@ class Tracker:
 
 
 def train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] | None:
-    from torchft import DistributedDataParallel, Manager, ProcessGroupGloo, ProcessGroupNCCL
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
     from torchft.checkpointing.pg_transport import PGTransport
 
     run_dir, rank, groups, cfg = spec.run_dir, env.rank, env.world_size, spec.training
@@ -190,7 +191,7 @@ def train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] |
         # to arrive, and the others would join it a few steps late).
         watchdog.beat("waiting for every worker of this start")
         env.barrier()
-    trained = DistributedDataParallel(manager, model)
+    params = [p for p in model.parameters() if p.requires_grad]
     amp_dtype = low_precision(spec.precision)
     first, joined_in, announced = True, False, False
     leader = False
@@ -222,13 +223,9 @@ def train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] |
             watchdog.beat(f"training step {step}", step=index)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = task.loss(trained(x), y)
+                loss = task.loss(model(x), y)
             loss.backward()
-            # The mean loss over the groups in the quorum, and whether one of them is new.
-            new = float(bool(fetched) and not joined_in)
-            shared = torch.stack([loss.detach().float(), torch.tensor(new, device=loss.device)])
-            manager.allreduce(shared).wait()
-            mean = shared[0]
+            mean, newcomer = _average(manager, params, loss, new=bool(fetched) and not joined_in)
             if not manager.should_commit():
                 continue  # a peer failed mid-step: nothing was applied, the step is retried
             if fetched and not joined_in and not announced:
@@ -247,7 +244,7 @@ def train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] |
             index, epoch = step - 1, (step - 1) // sampler.steps_per_epoch
             leader = manager.participating_rank() == 0
             participants = manager.num_participants()
-            tracker.committed(step, participants, leader, joined=bool(shared[1] > 0))
+            tracker.committed(step, participants, leader, joined=newcomer)
             if leader:
                 events.log_metrics(run_dir, events.MetricsLine(
                     step=step, epoch=epoch, loss=float(mean), lr=schedule.get_last_lr()[0],
@@ -271,6 +268,21 @@ def train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] |
         attempt=attempt["number"], final_step=manager.current_step(), loss=float(loss.detach()),
         val_loss=scores.pop("loss", None), val_accuracy=scores.get("accuracy"), val_metrics=scores,
         weights_sha256=state_sha256(weights), world_size=groups))
+
+
+def _average(manager, params: list[torch.Tensor], loss: torch.Tensor, new: bool) -> tuple[torch.Tensor, bool]:
+    """One all-reduce per step, over the groups in the quorum: the gradients, the loss
+    and whether a newcomer took part. torchft's DistributedDataParallel would reduce the
+    gradients in its comm hook (with find_unused_parameters on, a walk of the autograd
+    graph every step) and the loss would need a second collective, each a rendezvous of
+    every group. torchft zeroes a healing group's part and averages over the participants."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads]
+                     + [loss.detach().float().reshape(1), torch.tensor([float(new)], device=loss.device)])
+    manager.allreduce(flat).wait()
+    for p, chunk in zip(params, torch.split(flat[:-2], [p.numel() for p in params])):
+        p.grad = chunk.view_as(p).to(p.dtype)
+    return flat[-2], bool(flat[-1] > 0)
 
 
 def _wait_for_a_peer(spec: JobSpec, manager, watchdog: Watchdog) -> None:
@@ -311,7 +323,8 @@ def _first_quorum(spec: JobSpec, env: WorkerEnv, manager, attempt: dict[str, int
                                                     from_step=manager.current_step(),
                                                     checkpoint=sound[0][1] if sound else None))
     events.emit(run_dir, events.WorkerStarted(attempt=attempt["number"], rank=rank, pid=os.getpid(),
-                                              node_id=env.node_id), durable=False)
+                                              node_id=env.node_id, process_started=env.process_started,
+                                              ready=env.ready), durable=False)
 
 
 def _save(spec: JobSpec, step: int, epoch: int, next_batch: int, loss: float, model, optimizer, schedule,

@@ -43,6 +43,10 @@ class WorkerEnv:
     # replacement joins its survivors' one), and a barrier across that start's workers.
     generation: str | None = None
     barrier: Callable[[], None] | None = None
+    # When this worker's process started, and when the training code got control with
+    # the process group up (epoch seconds): the bench splits a restart's seconds by them.
+    process_started: float | None = None
+    ready: float | None = None
 
 
 @dataclass
@@ -181,8 +185,8 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
     weight = sampler.local_batch * strategy.data_world / cfg.global_batch_size
     total_steps = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch
     # Where each rank runs, so a worker can be found (and killed on request) through Ray.
-    events.emit(run_dir, events.WorkerStarted(attempt=attempt.number, rank=rank, pid=os.getpid(), node_id=env.node_id),
-                durable=False)
+    events.emit(run_dir, events.WorkerStarted(attempt=attempt.number, rank=rank, pid=os.getpid(), node_id=env.node_id,
+                                              process_started=env.process_started, ready=env.ready), durable=False)
 
     def new_model() -> nn.Module:
         return task.model().to(device)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from workers import events, failures, metrics_read, ray_token, segments, storage
 from workers.events import Kind
+from workers.process_clock import process_started
 from workers.spec import JobSpec, absolute_paths, cache_dir, load_spec, write_spec_json
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC = 0, 1, 2
@@ -27,6 +28,7 @@ START_TIMEOUT_ENV, ELASTIC_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEO
 
 def train_func(config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker; Ray has already set up the process group."""
+    ready = time.time()
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -50,7 +52,7 @@ def train_func(config: dict[str, Any]) -> None:
         )
 
     env = WorkerEnv(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), on_checkpoint,
-                    node_id=ray.get_runtime_context().get_node_id())
+                    node_id=ray.get_runtime_context().get_node_id(), process_started=process_started(), ready=ready)
     if spec.failure.mode == "live":
         from ray.train.collective import barrier
         from ray.train.v2._internal.execution.context import get_train_context
@@ -261,16 +263,22 @@ def _ray_init(spec: JobSpec, verbose: bool, code: str | None = None) -> None:
 
     quiet = {} if verbose else {"logging_level": logging.WARNING}
     runtime_env = worker_runtime_env(spec, code)
+    # Ray Train's controller polls workers every 2 s by default; each poll takes one
+    # reported checkpoint and notices a dead worker, so poll faster. Ray Train hands this
+    # variable from the driver to the controller it starts, on any cluster (a RayJob's
+    # too), so it is set for both paths.
+    os.environ.setdefault(POLL_ENV, POLL_S)
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=verbose, runtime_env=runtime_env, **quiet)
         return
     # A local cluster sized to the job: logical CPUs may exceed cores since each worker
     # runs with a fixed thread count (resources.cpu).
     need = int(spec.max_workers * spec.resources.cpu) + 1
-    # Ray Train's controller polls workers every 2 s by default; each poll takes one
-    # reported checkpoint and notices failures, so poll faster (the local cluster's
-    # processes inherit this; `etrain serve` sets it for its own head).
-    os.environ.setdefault(POLL_ENV, POLL_S)
+    # The raylet prestarts one idle worker per CPU for the first driver, with the driver's
+    # runtime env. Ray Train's workers never reuse them (their env differs: the
+    # controller's), so on a small machine they only compete with the controller and
+    # the workers for the cores while the job starts.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     # Ray Train's placement-group cleaner asks the State API (the dashboard) whether the
     # controller lives. Without a dashboard each query times out (a warning every few
     # seconds, and the run waits on it at the end); with one, it asks "the latest

@@ -7,7 +7,7 @@ import yaml
 
 from workers import events
 from workers.run import EXIT_BAD_SPEC, main, prepare_run_dir
-from workers.spec import absolute_paths, load_spec
+from workers.spec import JobSpec, absolute_paths, load_spec
 
 
 def spec_file(tmp_path, **fields):
@@ -67,3 +67,19 @@ def test_live_mode_for_a_strategy_it_cannot_serve_is_refused_before_any_worker_s
     err = capsys.readouterr().err
     assert "failure.mode 'live' needs strategy 'ddp'" in err
     assert not (tmp_path / "runs").exists()  # refused while parsing: nothing was started or written
+
+
+def test_the_controller_polls_fast_on_a_cluster_given_by_address_too(monkeypatch, tmp_path):
+    """Ray Train passes RAY_TRAIN_HEALTH_CHECK_INTERVAL_S from the driver to its
+    controller; left at 2 s, a dead worker on a RayJob's cluster waits a second longer."""
+    import ray
+
+    from workers import run as run_mod
+
+    seen = {}
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv(run_mod.POLL_ENV, "unset below; restored after the test")
+    monkeypatch.delenv(run_mod.POLL_ENV)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw, poll=os.environ.get(run_mod.POLL_ENV)))
+    run_mod._ray_init(JobSpec(job_id="poll", workers=2, storage=str(tmp_path)), verbose=False)
+    assert seen["address"] == "127.0.0.1:1" and seen["poll"] == run_mod.POLL_S
