@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from workers import storage
+from workers import segments, storage
 from workers.events import Manifest, ManifestFile
 
 MANIFEST = "manifest.json"
@@ -84,6 +84,11 @@ def write_shard(directory: str, name: str, obj: Any) -> None:
 
 def commit(run_dir: str, step: int, meta: dict[str, Any]) -> str:
     """Seal the checkpoint of `step` once every rank's shards are written."""
+    # The steps before this checkpoint must be in the run record once it is sealed. On an
+    # object store they may still wait in this process's open metrics segment, and a
+    # worker killed after the seal (held in Ray's report barrier by a dead peer, say)
+    # would take them along while the run resumes after them.
+    segments.flush_run(run_dir)
     src = tmp_dir(run_dir, step)
     files = {}
     for name in sorted(storage.listdir(src)):
