@@ -232,7 +232,7 @@ def train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] |
                 announced = True  # the peer's state was applied in should_commit
                 events.emit(run_dir, events.LiveJoined(
                     attempt=attempt["number"], rank=rank, group=rank, pid=os.getpid(),
-                    step=manager.current_step(), fetch_s=round(fetched[-1] - asked, 3)))
+                    step=manager.current_step() - 1, fetch_s=round(fetched[-1] - asked, 3)))  # the peer's step
             joined_in = joined_in or manager.is_participating()
             optimizer.step()
             schedule.step()
