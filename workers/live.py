@@ -33,7 +33,7 @@ from workers.data.loader import read
 from workers.data.sampler import ResumableDistributedSampler
 from workers.events import Kind
 from workers.faults import FaultInjector
-from workers.loop import WorkerEnv, evaluate, make_optimizer, make_schedule, state_sha256
+from workers.loop import WorkerEnv, evaluate, make_schedule, state_sha256, task_optimizer, worker_device
 from workers.spec import JobSpec
 from workers.strategies.base import low_precision
 from workers.watchdog import Watchdog
@@ -126,11 +126,7 @@ def train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] |
     from torchft.checkpointing.pg_transport import PGTransport
 
     run_dir, rank, groups, cfg = spec.run_dir, env.rank, env.world_size, spec.training
-    torch.set_num_threads(max(1, int(spec.resources.cpu)))
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if spec.resources.gpu > 0 and not torch.cuda.is_available():
-        raise RuntimeError(f"resources.gpu is {spec.resources.gpu:g} but this worker sees no CUDA device")
-    device = torch.device(f"cuda:{env.local_rank}" if spec.resources.gpu > 0 else "cpu")
+    device = worker_device(spec, env)
     # Every group builds the same initial model, so step 0 needs no transfer (init_sync off).
     seed_everything(cfg.seed)
     watchdog.beat(f"building the task ({spec.task or 'built-in'})")
@@ -140,8 +136,7 @@ def train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] |
                                           seed=cfg.seed)
     total_steps = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch
     model = task.model().to(device)
-    optimizer = task.optimizer(model.parameters()) if callable(getattr(task, "optimizer", None)) \
-        else make_optimizer(cfg, model.parameters())
+    optimizer = task_optimizer(task, cfg, model)
     schedule = make_schedule(cfg, optimizer, total_steps)
     # A replacement joins the start its survivors belong to and takes its state from one
     # of them: it reads no checkpoint. A full start resumes from the newest one.

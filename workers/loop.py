@@ -146,16 +146,28 @@ def _flush_record() -> None:
         print(f"[train] could not write the run record: {type(e).__name__}: {e}", flush=True)
 
 
+def worker_device(spec: JobSpec, env: WorkerEnv) -> torch.device:
+    """This worker's threads, determinism and device (both failure modes)."""
+    torch.set_num_threads(max(1, int(spec.resources.cpu)))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if spec.resources.gpu > 0 and not torch.cuda.is_available():
+        raise RuntimeError(f"resources.gpu is {spec.resources.gpu:g} but this worker sees no CUDA device")
+    return torch.device(f"cuda:{env.local_rank}" if spec.resources.gpu > 0 else "cpu")
+
+
+def task_optimizer(task, cfg, model: nn.Module) -> torch.optim.Optimizer:
+    """The task's own optimizer where it has one, else the spec's."""
+    if callable(getattr(task, "optimizer", None)):
+        return task.optimizer(model.parameters())
+    return make_optimizer(cfg, model.parameters())
+
+
 def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] | None:
     run_dir = spec.run_dir
     rank, world = env.rank, env.world_size
     cfg = spec.training
-    torch.set_num_threads(max(1, int(spec.resources.cpu)))
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    device = worker_device(spec, env)
     watchdog.beat("choosing the checkpoint to resume from")
-    if spec.resources.gpu > 0 and not torch.cuda.is_available():
-        raise RuntimeError(f"resources.gpu is {spec.resources.gpu:g} but this worker sees no CUDA device")
-    device = torch.device(f"cuda:{env.local_rank}" if spec.resources.gpu > 0 else "cpu")
 
     # Rank 0 decides where the attempt starts; the others take its word so every rank
     # resumes from the same step.
@@ -196,8 +208,7 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
     # Before the optimizer: sharding swaps in new parameters, a pipeline keeps one stage.
     trained = strategy.wrap(new_model(), task)
     model = strategy.model
-    optimizer = task.optimizer(model.parameters()) if callable(getattr(task, "optimizer", None)) \
-        else make_optimizer(cfg, model.parameters())
+    optimizer = task_optimizer(task, cfg, model)
     # fp16 needs loss scaling so small gradients survive; its state is checkpointed.
     fit = Trainable(model, optimizer, make_schedule(cfg, optimizer, total_steps),
                     torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16"))
