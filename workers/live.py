@@ -45,8 +45,8 @@ HEARTBEAT_TIMEOUT_MS = 2000
 # The groups agree on a quorum every this many steps, not each one: a quorum is an RPC to
 # the lighthouse plus a thread that wakes each step, and a per-step should_commit already
 # tells every group that a peer failed (its all-reduce errors, nothing is applied and the
-# next step asks for a quorum at once). Every 10 steps took live mode from 0.79x to 0.92x
-# exact mode's samples/s on this 2-core machine (bench/live_recovery.py). The price: a
+# next step asks for a quorum at once). Every 10 steps took live mode from 0.78-0.79x to
+# 0.85-0.88x exact mode's samples/s on this 2-core machine (bench/live_recovery.py). The price: a
 # replacement waits up to this many of the survivors' steps to be let in. All groups must
 # ask at the same steps (step-based, never time-based), or a quorum waits for a group
 # that is not asking.
