@@ -33,7 +33,7 @@ if ROOT not in sys.path:
 
 from common import host  # noqa: E402
 from vs_torchrun import (  # noqa: E402
-    Run, job_spec, launch_phases, log, phases_line, recovery, restart_phases, run_ray, run_torchrun, startup_s,
+    Run, job_spec, launch_phases, log, percent, phases_line, recovery, restart_phases, run_ray, run_torchrun, startup_s,
     throughput)
 
 from workers import events  # noqa: E402
@@ -136,6 +136,16 @@ def report(args, runs: dict[tuple[str, bool], Run], load: tuple[list[float], lis
             f"{live['survivor_steps']} steps meanwhile, {live['samples_skipped']} samples of missing groups "
             f"skipped; every step completed once: {'yes' if live['steps_once'] else 'NO'}; survivors restarted: "
             f"{'YES' if live['survivors_restarted'] else 'no'}")
+
+    cpu = [f"{s} workers {percent(thr[s].get('workers_cpu'))}%, the rest {percent(thr[s].get('background_cpu'))}%"
+           for s in systems if thr[s] and thr[s].get("workers_cpu") is not None]
+    if cpu:
+        lines.append("steady-state CPU, share of all cores: " + "; ".join(cpu))
+    for s in systems:
+        top = (thr[s] or {}).get("background_top_cpu")
+        if top:
+            lines.append(f"  {s}, the rest by process: "
+                         + ", ".join(f"{name} {percent(share)}%" for name, share in top.items()))
 
     def ratio(a, b):
         return f"{a / b:.2f}x" if a and b else "-"

@@ -52,8 +52,10 @@ from workers.run import prepare_run_dir, summarize  # noqa: E402
 from workers.spec import JobSpec, absolute_paths  # noqa: E402
 
 from common import clean, finish, host  # bench/ is sys.path[0] when run as a script
+from cpu_share import CpuSampler
 
 WORKER = os.path.join(ROOT, "bench", "torchrun_worker.py")
+CORES = len(os.sched_getaffinity(0))
 RESULTS = os.path.join(ROOT, "bench", "results", "vs_torchrun.txt")
 SYSTEMS = ("ray", "torchrun")
 
@@ -95,6 +97,7 @@ class Run:
     timed_out: bool = False
     summary: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    cpu: CpuSampler = field(default_factory=CpuSampler)
 
     @property
     def name(self) -> str:
@@ -123,8 +126,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_logged(cmd: list[str], env: dict[str, str], log_path: str, timeout: float, echo: bool) -> tuple[int, float, bool]:
-    """Run `cmd` in its own session, output to `log_path` (and stdout with echo)."""
+def run_logged(cmd: list[str], env: dict[str, str], log_path: str, timeout: float, echo: bool,
+               cpu: CpuSampler | None = None) -> tuple[int, float, bool]:
+    """Run `cmd` in its own session, output to `log_path` (and stdout with echo); `cpu`
+    samples its process tree while it runs."""
     started = time.monotonic()
     timed_out = threading.Event()
     with open(log_path, "w") as out:
@@ -132,6 +137,8 @@ def run_logged(cmd: list[str], env: dict[str, str], log_path: str, timeout: floa
         out.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", start_new_session=True)
+        if cpu is not None:
+            cpu.start(proc.pid)
 
         def expire() -> None:
             timed_out.set()
@@ -151,6 +158,8 @@ def run_logged(cmd: list[str], env: dict[str, str], log_path: str, timeout: floa
             raise
         finally:
             timer.cancel()
+            if cpu is not None:
+                cpu.stop()
     return rc, time.monotonic() - started, timed_out.is_set()
 
 
@@ -183,7 +192,7 @@ def run_ray(run: Run, workdir: str, args: argparse.Namespace) -> None:
     ray_tmp = tempfile.mkdtemp(prefix="etb-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
     env["RAY_TMPDIR"] = ray_tmp
     cmd = [sys.executable, "-m", "workers.run", spec_path]
-    run.rc, run.wall_s, run.timed_out = run_logged(cmd, env, run.log_path, args.timeout, args.verbose)
+    run.rc, run.wall_s, run.timed_out = run_logged(cmd, env, run.log_path, args.timeout, args.verbose, run.cpu)
     run.summary = last_summary(run.log_path)
     if args.keep or not run.ok:
         run.notes.append(f"Ray logs in {ray_tmp}")
@@ -213,7 +222,7 @@ def run_torchrun(run: Run, workdir: str, args: argparse.Namespace) -> None:
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", spec.job_id,
            "--local-addr", "127.0.0.1", "--max-restarts", str(1 if run.crash else 0),
            WORKER, spec_path]
-    run.rc, run.wall_s, run.timed_out = run_logged(cmd, env, run.log_path, args.timeout, args.verbose)
+    run.rc, run.wall_s, run.timed_out = run_logged(cmd, env, run.log_path, args.timeout, args.verbose, run.cpu)
     error = None if run.rc == 0 else f"torchrun exited with {run.rc}" + (" (timed out)" if run.timed_out else "")
     run.summary = summarize(spec, run.wall_s, error)
     masters = []
@@ -243,6 +252,9 @@ def throughput(run: Run, warmup: int, batch: int) -> dict[str, float] | None:
         "steps": len(ms),
         "first": ms[0]["step"],
         "last": ms[-1]["step"],
+        # Shares of the whole machine over the same steps: what the background took from the workers.
+        **{f"{k}_cpu": v for k, v in (run.cpu.share(ms[0]["time"], ms[-1]["time"], CORES) or {}).items()
+           if k != "window_s"},
     }
 
 
@@ -352,6 +364,10 @@ def _f(value: Any, fmt: str = "{:.1f}") -> str:
     return fmt.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
+def percent(share: float | None) -> str | None:
+    return None if share is None else f"{100 * share:.1f}"
+
+
 def _ratio(a: Any, b: Any) -> str:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b and a == a and b == b:
         return f"{a / b:.2f}"
@@ -388,6 +404,10 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
         row("steady samples/s, median of steps", get(thr["ray"], "median"), get(thr["torchrun"], "median")),
         row("steady samples/s, over summed step time", get(thr["ray"], "step_time"), get(thr["torchrun"], "step_time")),
         row("steady samples/s, wall clock (+ckpt, report)", get(thr["ray"], "wall"), get(thr["torchrun"], "wall")),
+        row("steady CPU: workers, % of all cores", *(percent(get(thr[s], "workers_cpu")) for s in SYSTEMS), "{}",
+            ratio=False),
+        row("steady CPU: the rest of the run, % of all cores",
+            *(percent(get(thr[s], "background_cpu")) for s in SYSTEMS), "{}", ratio=False),
         row("startup: launch -> first step (s)", *(startup_s(runs[(s, False)]) if (s, False) in runs else None
                                                     for s in SYSTEMS)),
         row("job wall time, undisturbed (s)", wall.get(("ray", False)), wall.get(("torchrun", False))),

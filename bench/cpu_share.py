@@ -1,0 +1,117 @@
+"""Whose CPU a bench run used: the training workers, or everything else it started.
+
+On a machine whose cores the workers fill, every tick Ray's daemons, the controller
+and the driver spend (or torchrun's agent) is a tick the workers wait for. The sampler
+reads /proc for the run's process tree every half second (by hand: psutil is not among
+the dependencies, and the bench needs only utime+stime and the command line), so the
+report can say how much of the machine went to the run's background during the steady
+state, next to the samples/s ratio it explains.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+# The processes that train. The rest of the tree (raylet, GCS, dashboard, Ray Train's
+# controller, the driver, torchrun's agent) is the run's background.
+WORKER_MARKS = ("ray::RayTrainWorker", "torchrun_worker.py")
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        tree.setdefault(ppid, []).append(int(name))
+    return tree
+
+
+def _cpu_s(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime + stime of the whole process
+
+
+def _kind(pid: int) -> tuple[bool, str]:
+    """Whether the process trains, and a short name for the report (Ray's process title,
+    or the program and its first argument)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False, "?"
+    cmd = " ".join(argv)
+    # torchrun's agent names the worker script among its own arguments.
+    worker = any(mark in cmd for mark in WORKER_MARKS) and "torch.distributed.run" not in cmd
+    if cmd.startswith("ray::"):
+        return worker, cmd.split()[0]
+    if len(argv) > 1 and argv[1] in ("-c", "-m"):  # `python -c CODE` would name itself by its code
+        return worker, f"{os.path.basename(argv[0])} {argv[1]} {argv[2] if argv[1] == '-m' else ''}".strip()
+    words = [os.path.basename(a) for a in argv[:3] if a and not a.startswith("-")]
+    return worker, " ".join(words[:2]) or "?"
+
+
+@dataclass
+class CpuSampler:
+    interval_s: float = 0.5
+    # (wall time, {pid: (is_worker, name, cpu seconds so far)})
+    samples: list[tuple[float, dict[int, tuple[bool, str, float]]]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self, root: int) -> None:
+        def sample() -> None:
+            tree, todo, seen = _children(), [root], {}
+            while todo:
+                pid = todo.pop()
+                cpu = _cpu_s(pid)
+                if cpu is None:
+                    continue
+                # Read each time: a Ray worker takes its actor's name some time after it starts.
+                seen[pid] = (*_kind(pid), cpu)
+                todo.extend(tree.get(pid, ()))
+            self.samples.append((time.time(), seen))
+
+        def loop() -> None:
+            while not self._stop.wait(self.interval_s):
+                sample()
+
+        self._thread = threading.Thread(target=loop, name="bench-cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def share(self, start: float, end: float, cores: int) -> dict | None:
+        """Fractions of the machine (all cores) the workers and the background used between
+        two wall times, from the samples that bracket them most tightly inside, and the
+        background's largest users by name."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return None
+        (t0, a), (t1, b) = inside[0], inside[-1]
+        machine = (t1 - t0) * cores
+        used = {True: 0.0, False: 0.0}
+        by_name: dict[str, float] = {}
+        for pid, (worker, name, cpu) in b.items():
+            spent = cpu - (a[pid][2] if pid in a else 0.0)  # a process born inside counts from zero
+            used[worker] += spent
+            if not worker:
+                by_name[name] = by_name.get(name, 0.0) + spent / machine
+        top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:5])
+        return {"workers": used[True] / machine, "background": used[False] / machine, "window_s": t1 - t0,
+                "background_top": top}
