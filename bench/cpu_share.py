@@ -49,8 +49,12 @@ def _kind(pid: int) -> tuple[bool, str]:
     or the program and its first argument)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")
+            argv = [a for a in f.read().decode(errors="replace").split("\0") if a]
     except OSError:
+        return False, "?"
+    if len(argv) == 1:  # a process title set over argv (setproctitle) is one string
+        argv = argv[0].split()
+    if not argv:
         return False, "?"
     cmd = " ".join(argv)
     # torchrun's agent names the worker script among its own arguments.
