@@ -3,11 +3,12 @@
 Every worker is its own replica group (Ray Train's TorchftConfig; its groups hold one
 worker). torchft's Manager forms a quorum of the live groups (every QUORUM_EVERY steps,
 and at once after a step a peer failed in) and averages the gradients over it, so a
-dead group drops out after the lighthouse stops hearing from it and the others go on. Ray Train replaces only the failed group; the
-newcomer's first quorum finds it behind the others and it takes their current weights,
-optimizer and schedule from a live peer over the process group (torchft's PGTransport),
-not from disk. Durable checkpoints are written by the quorum's first group alone; a job
-whose every group died starts again from the newest, as in exact mode.
+dead group drops out after the lighthouse stops hearing from it and the others go on.
+Ray Train replaces only the failed group; the newcomer's first quorum finds it behind
+the others and it takes their current weights, optimizer and schedule from a live peer
+over the process group (torchft's PGTransport), not from disk. Durable checkpoints are
+written by the quorum's first group alone; a job whose every group died starts again
+from the newest, as in exact mode.
 
 What a live recovery changes, compared with exact mode: the data order is fixed per
 (step, group) (group g reads the g-th share of step s's global batch, as in exact
@@ -46,7 +47,7 @@ HEARTBEAT_TIMEOUT_MS = 2000
 # the lighthouse plus a thread that wakes each step, and a per-step should_commit already
 # tells every group that a peer failed (its all-reduce errors, nothing is applied and the
 # next step asks for a quorum at once). Every 10 steps took live mode from 0.78-0.79x to
-# 0.85-0.88x exact mode's samples/s on this 2-core machine (bench/live_recovery.py). The price: a
+# 0.82-0.91x exact mode's samples/s on this 2-core machine (bench/live_recovery.py). The price: a
 # replacement waits up to this many of the survivors' steps to be let in. All groups must
 # ask at the same steps (step-based, never time-based), or a quorum waits for a group
 # that is not asking.
