@@ -439,6 +439,11 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
             lines.append(phases_line(f"{s} launch, s", launch_phases(runs[(s, False)])))
         if (s, True) in runs:
             lines.append(phases_line(f"{s} restart, s", restart_phases(runs[(s, True)])))
+    for s in SYSTEMS:
+        top = get(thr[s], "background_top_cpu")
+        if top:
+            lines.append(f"{s} steady CPU, the rest by process, % of all cores: "
+                         + ", ".join(f"{name} {percent(share)}" for name, share in top.items()))
     lines.append("")
     for (s, c), r in sorted(runs.items()):
         status = "ok" if r.ok else f"FAILED (rc {r.rc}{', timed out' if r.timed_out else ''})"
