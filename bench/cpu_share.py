@@ -76,6 +76,8 @@ class CpuSampler:
     _thread: threading.Thread | None = None
 
     def start(self, root: int) -> None:
+        known: dict[int, tuple[bool, str]] = {}
+
         def sample() -> None:
             tree, todo, seen = _children(), [root], {}
             while todo:
@@ -83,8 +85,13 @@ class CpuSampler:
                 cpu = _cpu_s(pid)
                 if cpu is None:
                     continue
-                # Read each time: a Ray worker takes its actor's name some time after it starts.
-                seen[pid] = (*_kind(pid), cpu)
+                # Read each time: a Ray worker takes its actor's name some time after it
+                # starts. A process that has exited (a zombie) has no command line left.
+                kind = _kind(pid)
+                if kind[1] == "?" and pid in known:
+                    kind = known[pid]
+                known[pid] = kind
+                seen[pid] = (*kind, cpu)
                 todo.extend(tree.get(pid, ()))
             self.samples.append((time.time(), seen))
 
@@ -107,11 +114,14 @@ class CpuSampler:
         inside = [s for s in self.samples if start <= s[0] <= end]
         if len(inside) < 2:
             return None
-        (t0, a), (t1, b) = inside[0], inside[-1]
+        (t0, a), (t1, _) = inside[0], inside[-1]
         machine = (t1 - t0) * cores
+        last: dict[int, tuple[bool, str, float]] = {}
+        for _, seen in inside:  # a process that ended inside keeps what it last showed
+            last.update(seen)
         used = {True: 0.0, False: 0.0}
         by_name: dict[str, float] = {}
-        for pid, (worker, name, cpu) in b.items():
+        for pid, (worker, name, cpu) in last.items():
             spent = cpu - (a[pid][2] if pid in a else 0.0)  # a process born inside counts from zero
             used[worker] += spent
             if not worker:

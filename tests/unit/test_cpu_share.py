@@ -21,14 +21,17 @@ def test_shares_come_from_the_samples_inside_the_window_and_a_process_born_insid
     sampler.samples = [
         (0.0, {1: (False, "raylet", 0.0)}),  # before the window: not used
         (10.0, {1: (False, "raylet", 1.0), 2: (True, "ray::RayTrainWorker", 5.0)}),
+        (15.0, {1: (False, "raylet", 1.5), 2: (True, "ray::RayTrainWorker", 10.0),
+                4: (True, "ray::RayTrainWorker", 2.0)}),
+        # 4 ended before the last sample: it keeps the 2 s it showed
         (20.0, {1: (False, "raylet", 2.0), 2: (True, "ray::RayTrainWorker", 15.0), 3: (False, "gcs_server", 3.0)}),
     ]
     share = sampler.share(5.0, 25.0, cores=2)
     assert share["window_s"] == 10.0
-    assert share["workers"] == 10.0 / 20.0
+    assert share["workers"] == (10.0 + 2.0) / 20.0
     assert share["background"] == (1.0 + 3.0) / 20.0
     assert share["background_top"] == {"gcs_server": 3.0 / 20.0, "raylet": 1.0 / 20.0}
-    assert sampler.share(5.0, 15.0, cores=2) is None  # one sample inside is no interval
+    assert sampler.share(5.0, 12.0, cores=2) is None  # one sample inside is no interval
 
 
 def test_a_real_process_tree_is_sampled_and_told_apart_by_its_command_line():
