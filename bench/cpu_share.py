@@ -21,27 +21,19 @@ TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 WORKER_MARKS = ("ray::RayTrainWorker", "torchrun_worker.py")
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
+def _stats() -> dict[int, tuple[int, float]]:
+    """Every process's parent and CPU seconds (utime + stime), from one read of its stat."""
+    out: dict[int, tuple[int, float]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[int(name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) * TICK_S)
         except (OSError, IndexError, ValueError):
             continue
-        tree.setdefault(ppid, []).append(int(name))
-    return tree
-
-
-def _cpu_s(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime + stime of the whole process
+    return out
 
 
 def _kind(pid: int) -> tuple[bool, str]:
@@ -79,12 +71,15 @@ class CpuSampler:
         known: dict[int, tuple[bool, str]] = {}
 
         def sample() -> None:
-            tree, todo, seen = _children(), [root], {}
+            stats, todo, seen = _stats(), [root], {}
+            tree: dict[int, list[int]] = {}
+            for pid, (ppid, _) in stats.items():
+                tree.setdefault(ppid, []).append(pid)
             while todo:
                 pid = todo.pop()
-                cpu = _cpu_s(pid)
-                if cpu is None:
+                if pid not in stats:
                     continue
+                cpu = stats[pid][1]
                 # Read each time: a Ray worker takes its actor's name some time after it
                 # starts. A process that has exited (a zombie) has no command line left.
                 kind = _kind(pid)
