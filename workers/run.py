@@ -296,12 +296,10 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
     """`code`: the directory the task is imported from, shipped to every worker; `tee`:
     copy this process's output into the run record (the entrypoint does)."""
     ray_token.ensure()  # before Ray is imported: it reads RAY_AUTH_MODE once, at import
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-    from ray.train.torch import TorchTrainer
+    from ray.train import TrainingFailedError
 
     from workers.console import QuietRay, Reporter
     from workers.data import check_available
-    from workers.recorder import FailureRecorder
     from workers.tensorboard import BoardWriter
 
     started = time.time()
@@ -333,8 +331,46 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
         sys.stdout = QuietRay(stdout)
     _ray_init(spec, verbose, code)
     reporter.start()
+    error = None
+    fallbacks = 0
+    try:
+        while True:
+            try:
+                _trainer(spec, run_dir).fit()
+            except TrainingFailedError as e:
+                if _replacement_lost_its_peers(spec, e) and _may_retry(spec, fallbacks):
+                    fallbacks += 1
+                    print("[train] the workers a failed one's replacement would take its state from died too: "
+                          "starting every worker again from the newest checkpoint", flush=True)
+                    forget_ray_snapshot(run_dir)
+                    continue
+                error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                if not events.events(run_dir, Kind.ATTEMPT_STARTED):
+                    error = _start_failure(spec, error)
+            break
+    finally:
+        import ray
+
+        # Disconnect (and stop a local cluster) now, so Ray's log forwarding has
+        # finished before the summary: the summary must be the last line.
+        ray.shutdown()
+    summary = summarize(spec, time.time() - started, error)
+    if summary["status"] == "failed" and not events.events(run_dir, Kind.FAILED):
+        events.emit(run_dir, events.Failed(error=summary["error"]))
+    reporter.stop()
+    sys.stdout = stdout
+    sys.stdout.flush()
+    return summary
+
+
+def _trainer(spec: JobSpec, run_dir: str):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from workers.recorder import FailureRecorder
+
     use_gpu = spec.resources.gpu > 0
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_func,
         train_loop_config={"spec": spec.model_dump(mode="json")},
         scaling_config=ScalingConfig(
@@ -356,26 +392,26 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
             callbacks=[FailureRecorder(run_dir)],
         ),
     )
-    error = None
-    try:
-        trainer.fit()
-    except TrainingFailedError as e:
-        error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        if not events.events(run_dir, Kind.ATTEMPT_STARTED):
-            error = _start_failure(spec, error)
-    finally:
-        import ray
 
-        # Disconnect (and stop a local cluster) now, so Ray's log forwarding has
-        # finished before the summary: the summary must be the last line.
-        ray.shutdown()
-    summary = summarize(spec, time.time() - started, error)
-    if summary["status"] == "failed" and not events.events(run_dir, Kind.FAILED):
-        events.emit(run_dir, events.Failed(error=summary["error"]))
-    reporter.stop()
-    sys.stdout = stdout
-    sys.stdout.flush()
-    return summary
+
+def _replacement_lost_its_peers(spec: JobSpec, e: Exception) -> bool:
+    """failure.mode live, a whole node lost: Ray Train noticed one of its workers dead a
+    poll before the others and, replacing that one's group, called the others' workers
+    (Ray 2.60 clears their result queues first). One of them dead by then ends the run
+    with a controller error that Ray's failure policy never retries, though every group
+    a replacement could heal from is gone: the job is where a whole-group failure leaves
+    it, and goes on as one does, from the newest checkpoint."""
+    from ray.exceptions import RayActorError
+    from ray.train.v2.api.exceptions import ControllerError
+
+    return (spec.failure.mode == "live" and isinstance(e, ControllerError)
+            and isinstance(e.controller_failure, RayActorError))
+
+
+def _may_retry(spec: JobSpec, fallbacks: int) -> bool:
+    # Ray's own count of failures starts again with each run of the trainer: the
+    # fallbacks have a budget of their own, the same max_failures.
+    return spec.failure.max_failures == -1 or fallbacks < spec.failure.max_failures
 
 
 def _torch_config(spec: JobSpec, use_gpu: bool):

@@ -140,6 +140,34 @@ def test_when_every_worker_dies_the_job_resumes_from_the_newest_checkpoint(ray_c
             os.kill(before[rank][0], signal.SIGKILL)
     finally:
         outcome = finish(proc, run_dir)
+    _resumed_from_a_checkpoint(outcome, run_dir)
+
+
+def test_survivors_dying_while_a_replacement_is_made_fall_back_to_the_newest_checkpoint(ray_cluster, tmp_path):
+    """A node lost whole, its workers noticed dead one poll apart: Ray Train starts
+    replacing the first one's group and, doing so, calls the others (Ray 2.60 ends the
+    run there with a controller error it never retries)."""
+    proc, run_dir = start_job(ray_cluster, live_spec("live-node", steps=160), tmp_path)
+    stopped: list[int] = []
+    try:
+        before = _started(run_dir, proc)
+        _wait("a checkpoint", lambda: _events(run_dir, "checkpoint_committed"), proc)
+        # Frozen, ranks 1 and 2 answer no poll: the controller sees rank 0 alone fail and
+        # its replacement waits on them; then they die.
+        stopped = [before[1][0], before[2][0]]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(before[0][0], signal.SIGKILL)
+        _wait("the controller to notice rank 0", lambda: _events(run_dir, "worker_failed"), proc)
+        time.sleep(1)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGKILL)
+        outcome = finish(proc, run_dir)
+    _resumed_from_a_checkpoint(outcome, run_dir)
+
+
+def _resumed_from_a_checkpoint(outcome, run_dir: Path) -> None:
     assert outcome.rc == 0, outcome.output[-3000:]
     s = outcome.summary
     assert s["status"] == "succeeded" and s["final_step"] == 160

@@ -83,3 +83,21 @@ def test_the_controller_polls_fast_on_a_cluster_given_by_address_too(monkeypatch
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw, poll=os.environ.get(run_mod.POLL_ENV)))
     run_mod._ray_init(JobSpec(job_id="poll", workers=2, storage=str(tmp_path)), verbose=False)
     assert seen["address"] == "127.0.0.1:1" and seen["poll"] == run_mod.POLL_S
+
+
+def test_only_a_live_replacement_that_met_dead_peers_falls_back_within_max_failures():
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from workers.run import _may_retry, _replacement_lost_its_peers
+
+    live = JobSpec.model_validate({"job_id": "j", "workers": 3, "failure": {"mode": "live", "max_failures": 2}})
+    exact = live.model_copy(update={"failure": live.failure.model_copy(update={"mode": "exact"})})
+    dead_peer = ControllerError(ActorDiedError())
+    assert _replacement_lost_its_peers(live, dead_peer)
+    assert not _replacement_lost_its_peers(exact, dead_peer)
+    # A user's deterministic error ends the run through the controller too: never retried.
+    assert not _replacement_lost_its_peers(live, ControllerError(RuntimeError("bad code")))
+    assert [_may_retry(live, n) for n in range(3)] == [True, True, False]
+    unlimited = live.model_copy(update={"failure": live.failure.model_copy(update={"max_failures": -1})})
+    assert _may_retry(unlimited, 1000)
