@@ -20,6 +20,7 @@ therefore not bit-identical to an undisturbed one; exact mode is.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -132,7 +133,24 @@ class Tracker:
             self.report(None, None)
 
 
+def quiet_torchft() -> None:
+    """torchft logs three lines a step at INFO (should_commit, from its Rust side and its
+    Python side): some 80 lines a second from each worker on this machine, which Ray's log
+    monitor then read and published. Its Python side keeps every other line (a step that
+    did not commit, a quorum change), its Rust side its warnings and errors; a RUST_LOG
+    the worker already has wins."""
+    os.environ.setdefault("RUST_LOG", "warn")  # read when torchft's first server starts
+    logger = logging.getLogger("torchft.manager")
+    if _per_step not in logger.filters:
+        logger.addFilter(_per_step)
+
+
+def _per_step(record: logging.LogRecord) -> bool:
+    return "should_commit=True" not in record.getMessage()  # a step that did not commit is kept
+
+
 def train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] | None:
+    quiet_torchft()
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
     from torchft.checkpointing.pg_transport import PGTransport
 
