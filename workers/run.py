@@ -340,7 +340,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
             except TrainingFailedError as e:
                 if _replacement_lost_its_peers(spec, e) and _may_retry(spec, fallbacks):
                     fallbacks += 1
-                    print("[train] the workers a failed one's replacement would take its state from died too: "
+                    print("[train] another worker died while Ray replaced a failed one: "
                           "starting every worker again from the newest checkpoint", flush=True)
                     forget_ray_snapshot(run_dir)
                     continue
@@ -395,12 +395,12 @@ def _trainer(spec: JobSpec, run_dir: str):
 
 
 def _replacement_lost_its_peers(spec: JobSpec, e: Exception) -> bool:
-    """failure.mode live, a whole node lost: Ray Train noticed one of its workers dead a
-    poll before the others and, replacing that one's group, called the others' workers
-    (Ray 2.60 clears their result queues first). One of them dead by then ends the run
-    with a controller error that Ray's failure policy never retries, though every group
-    a replacement could heal from is gone: the job is where a whole-group failure leaves
-    it, and goes on as one does, from the newest checkpoint."""
+    """failure.mode live, two or more workers lost together (a whole node): Ray Train
+    noticed one dead a poll before the others and, replacing that one's group, called the
+    others' workers (Ray 2.60 clears their result queues first). One of them dead by then
+    ends the run with a controller error that Ray's failure policy never retries, though
+    the job can go on: as after a whole-group failure, every worker starts again from the
+    newest checkpoint (survivors, if any, too)."""
     from ray.exceptions import RayActorError
     from ray.train.v2.api.exceptions import ControllerError
 
