@@ -4,6 +4,7 @@ state from a live peer, and a job whose every worker died resumes from a checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -162,7 +163,8 @@ def test_survivors_dying_while_a_replacement_is_made_fall_back_to_the_newest_che
         time.sleep(1)
     finally:
         for pid in stopped:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # Ray may have ended it already
+                os.kill(pid, signal.SIGKILL)
         outcome = finish(proc, run_dir)
     _resumed_from_a_checkpoint(outcome, run_dir)
 

@@ -14,8 +14,6 @@ def test_torchfts_per_step_lines_are_dropped_and_its_other_lines_kept(monkeypatc
     quiet_torchft()
     quiet_torchft()  # a second job in the same worker process adds no second filter
     assert len(logger.filters) == 1
-    import os
-
     assert os.environ["RUST_LOG"] == "warn"
     with caplog.at_level(logging.INFO, logger="torchft.manager"):
         logger.info("[j-00000/0 - step 7] should_commit=True enough_replicas=True, errored=None")
