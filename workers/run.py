@@ -24,6 +24,7 @@ POLL_ENV, POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
 # After a lost node Ray Train first asks for the old worker count again and waits this
 # long for it (default 60 s) before an elastic job settles for the workers that fit.
 START_TIMEOUT_ENV, ELASTIC_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15"
+PREEMPTION_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
 def train_func(config: dict[str, Any]) -> None:
@@ -268,6 +269,12 @@ def _ray_init(spec: JobSpec, verbose: bool, code: str | None = None) -> None:
     # variable from the driver to the controller it starts, on any cluster (a RayJob's
     # too), so it is set for both paths.
     os.environ.setdefault(POLL_ENV, POLL_S)
+    # Ray Train's preemption watcher tells a loop that its node is draining, so that it
+    # can checkpoint first. This loop checkpoints on its own schedule and recovers from a
+    # lost node like from any failure; the watcher would only be one more Ray worker
+    # process on every start and restart (~1.9 CPU-s to boot, measured here), taking
+    # the cores from the workers that are starting. Set the variable to 1 for it.
+    os.environ.setdefault(PREEMPTION_ENV, "0")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=verbose, runtime_env=runtime_env, **quiet)
         return
@@ -365,12 +372,12 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
 
 def _trainer(spec: JobSpec, run_dir: str):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from workers.recorder import FailureRecorder
+    from workers.trainer import Trainer
 
     use_gpu = spec.resources.gpu > 0
-    return TorchTrainer(
+    return Trainer(
         train_func,
         train_loop_config={"spec": spec.model_dump(mode="json")},
         scaling_config=ScalingConfig(

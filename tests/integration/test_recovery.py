@@ -103,3 +103,14 @@ def test_deterministic_user_error_fails_at_once(ray_cluster, tmp_path):
     assert failed and failed[0]["classification"] == "deterministic"
     assert "Traceback" in outcome.events("worker_failed")[0]["traceback"]
     assert time.time() - started < 120
+
+
+def test_no_preemption_watcher_or_dataset_manager_was_started(ray_cluster, twin, monkeypatch):
+    """Neither is of use to this loop; each would be one more Ray worker process booting
+    beside the workers on every start and restart (docs/architecture.md)."""
+    from ray.util.state import list_actors
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    names = {a.class_name for a in list_actors(address=ray_cluster.dashboard, limit=10000)}
+    assert "RayTrainWorker" in names, names  # the twin's workers, alive or dead: the listing holds them
+    assert not names & {"PreemptionWatcher", "DatasetManager"}, names
