@@ -563,8 +563,8 @@ def report(
 def tensorboard(
     job: Annotated[Optional[str], typer.Argument(help="A job id: only that job's run (default: every job).")] = None,
     port: Annotated[int, typer.Option(help="Port TensorBoard listens on, on 127.0.0.1.")] = 6006,
-    logdir: Annotated[Optional[Path], typer.Option(
-        "--logdir", help="Directory of the run directories (default: the service's, <data dir>/runs).")] = None,
+    logdir: Annotated[Optional[str], typer.Option(
+        "--logdir", help="Directory or URI (s3://...) of the run directories (default: the service's).")] = None,
     data_dir: DataDirOpt = None,
 ):
     """TensorBoard on the jobs' loss, lr, samples/s, validation scores and recoveries."""
@@ -576,21 +576,21 @@ def tensorboard(
 
     if logdir is None:
         try:
-            runs = Settings(**({"data_dir": data_dir} if data_dir else {})).runs_dir
+            logdir = str(Settings(**({"data_dir": data_dir} if data_dir else {})).runs_dir)
         except ValueError as e:
             _fail(f"bad ETRAIN_* setting: {_one_line(e)}")
-        if not storage.is_local(runs):
-            _fail(f"the jobs' storage is {runs}: runs on object storage write no TensorBoard files (the page "
-                  "and GET /v1/jobs/<id>/metrics have the same points)")
-        logdir = Path(runs)
-    if not logdir.is_dir():
+    if storage.is_local(logdir) and not os.path.isdir(storage.local_path(logdir)):
         _fail(f"no run directories at {logdir} (set --logdir to a job's storage)")
     target = logdir
     if job:
-        if not (logdir / job).is_dir():
+        try:
+            jobs = storage.listdir(logdir)
+        except Exception as e:  # the store is unreachable, or refuses the credentials
+            _fail(f"cannot list {logdir}: {_one_line(e)}")
+        if job not in jobs:
             _fail(f"no job {job!r} in {logdir} (see `etrain list`, or set --logdir to the job's storage)")
         # Its driver writes here from the first step on; TensorBoard picks the files up when they appear.
-        target = Path(board_dir(str(logdir / job)))
+        target = board_dir(storage.join(logdir, job))
     if not port_free("127.0.0.1", port):
         _fail(f"port {port} on 127.0.0.1 is in use; choose another with --port")
     _say(f"TensorBoard on {target}: http://127.0.0.1:{port}/ (Ctrl-C stops it)")

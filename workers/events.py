@@ -397,6 +397,15 @@ class Tail:
     def __init__(self, path: str):
         self.path, self.offset = path, 0
 
+    @property
+    def position(self) -> int:
+        """Where the next read starts (JSON-serialisable, for a reader that resumes)."""
+        return self.offset
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self.offset = value
+
     def skip_to_end(self) -> None:
         """Start after what the file holds now (its last line, if torn, is skipped too)."""
         try:
@@ -433,6 +442,15 @@ class SegmentTail:
     def __init__(self, directory: str, *, by_time: bool):
         self.cache, self.by_time = segments.SegmentCache(directory), by_time
         self.returned: dict[str, int] = {}
+
+    @property
+    def position(self) -> dict[str, int]:
+        """{segment: records returned}: Tail.position's counterpart."""
+        return dict(self.returned)
+
+    @position.setter
+    def position(self, value: dict[str, int]) -> None:
+        self.returned = dict(value)
 
     def skip_to_end(self) -> None:
         self.returned = {name: len(records) for name, records in self.cache.records().items()}

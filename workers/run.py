@@ -101,6 +101,12 @@ def prepare_run_dir(spec: JobSpec) -> str:
     return spec.run_dir
 
 
+def spool_dir(run_dir: str) -> str:
+    """This host's local spool for a run on an object store: files that grow (the driver's
+    output, TensorBoard's event files) are written here and copied whole to the store."""
+    return os.path.join(cache_dir(), "spool", storage.name(run_dir))
+
+
 def tee_output(run_dir: str) -> str | None:
     """Copy this driver's whole output (its own lines, Ray's, the workers' forwarded ones)
     into the run record too: Ray keeps a job's logs only while its head lives, and the
@@ -117,7 +123,7 @@ def tee_output(run_dir: str) -> str | None:
     else:
         # An object store takes no append: tee writes a local spool (a cache), copied whole
         # into the run record every few seconds and at the end (segments.mirror).
-        spool = os.path.join(cache_dir(), "spool", storage.name(run_dir))
+        spool = spool_dir(run_dir)
         os.makedirs(spool, exist_ok=True)
         path = os.path.join(spool, name)
         segments.mirror(path, storage.join(run_dir, events.DRIVER_LOGS, name))
@@ -324,9 +330,8 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
         print(notice, flush=True)
     note_lost_driver(run_dir)
     forget_ray_snapshot(run_dir)
-    # TensorBoard's writer appends to local files: on an object store the run record has
-    # the same points (metrics segments), and no board is written.
-    reporter = Reporter(run_dir, started=started, board=BoardWriter(run_dir) if storage.is_local(run_dir) else None)
+    reporter = Reporter(run_dir, started=started,
+                        board=BoardWriter(run_dir, spool=spool_dir(run_dir)))
     events.emit(run_dir, events.JobStarted(pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS")))
     print(f"[train] job {spec.job_id}: {tasks.describe(spec)}, {spec.strategy}, "
           f"{spec.workers if not spec.elastic else f'{spec.workers.min}-{spec.workers.max}'} worker(s); "

@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from service.embedded import EmbeddedRay
 from tests.conftest import ROOT, Cluster, free_port, recovery_spec, run_job
@@ -60,6 +61,11 @@ def test_ddp_on_s3_recovers_from_a_crash_bit_identical_to_its_local_twin(s3_ray,
     assert storage.exists(f"{run_dir}/spec.json") and storage.exists(f"{run_dir}/final/model.pt")
     (log,) = events.driver_logs(run_dir)
     assert '"status": "succeeded"' in storage.read_bytes(log).decode()  # the driver's output, to its last line
+    # TensorBoard reads the bucket: one loss point per step, the recomputed ones once, and the recovery.
+    board = EventAccumulator(f"{run_dir}/tensorboard", size_guidance={"scalars": 0})
+    board.Reload()
+    assert [p.step for p in board.Scalars("loss")] == list(range(1, 41))
+    assert [p.step for p in board.Scalars("recovery_s")] == [10]
 
 
 def test_fsdp_on_s3_crashed_while_a_checkpoint_is_written_never_loads_it_and_ends_as_its_twin(

@@ -118,3 +118,81 @@ def test_a_board_that_fails_is_said_once_and_the_console_goes_on(tmp_path):
     reporter.poll()
     reporter.stop()
     assert out.getvalue().count("TensorBoard files are no longer written: OSError: disk full") == 1
+
+
+def board_on(uri: str) -> EventAccumulator:
+    """Read the way `tensorboard --logdir s3://...` reads: TensorBoard's own S3 reader."""
+    acc = EventAccumulator(uri, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_on_object_storage_the_spool_is_copied_whole_and_a_driver_on_another_host_goes_on(
+        s3_bucket, tmp_path, monkeypatch):
+    import workers.tensorboard as tb
+    from workers import segments, storage
+
+    run_dir = f"{s3_bucket}/job-tb"
+    monkeypatch.setattr(tb, "ROLL_BYTES", 600)  # a few points a file, so files roll here
+    for step in range(1, 6):
+        row(run_dir, step)
+    segments.flush()  # metrics reach the store every 2 s; now, here
+    first = BoardWriter(run_dir, spool=str(tmp_path / "host-a"))
+    first.poll()  # the first points are copied at once; the next ones wait COPY_EVERY_S
+    remote = f"{run_dir}/tensorboard"
+    assert [s for s, _ in points(board_on(remote), "loss")] == [1, 2, 3, 4, 5]
+    for step in range(6, 9):
+        row(run_dir, step)
+    segments.flush()
+    first.poll()  # within COPY_EVERY_S of the last copy: written to the spool only
+    assert [s for s, _ in points(board_on(remote), "loss")] == [1, 2, 3, 4, 5]
+    events.emit(run_dir, "resumed", failed_rank=0, cause="worker process died", from_step=5, lost_steps=3,
+                recovery_s=2.0)
+    for step in range(6, 12):  # steps 6-8 again, then on
+        row(run_dir, step)
+    segments.flush()
+    first.close()
+    assert not os.path.exists(first.dir)  # the spool is removed once copied
+    files = [n for n in storage.listdir(remote) if n.startswith("events.out.tfevents.")]
+    assert len(files) >= 2  # rolled at ROLL_BYTES: no copy rewrites a growing file forever
+
+    # The service resubmits the driver, on another host: no spool there, the bucket's progress.
+    second = BoardWriter(run_dir, spool=str(tmp_path / "host-b"))
+    assert second.last_step == 11
+    for step in range(12, 15):
+        row(run_dir, step)
+    segments.flush()
+    second.close()
+    acc = board_on(remote)
+    assert [s for s, _ in points(acc, "loss")] == list(range(1, 15))
+    assert points(acc, "loss")[5] == (6, round(1 / 6, 6))
+    assert points(acc, "recovery_s") == [(5, 2.0)]
+    saved = json.loads(storage.read_bytes(f"{remote}/{PROGRESS}"))
+    assert saved["last_step"] == 14 and isinstance(saved["metrics_offset"], dict)
+
+
+def test_a_storage_blip_is_copied_again_at_the_next_round(s3_bucket, tmp_path, monkeypatch):
+    import workers.tensorboard as tb
+    from workers import segments, storage
+
+    run_dir = f"{s3_bucket}/job-blip"
+    monkeypatch.setattr(tb, "COPY_EVERY_S", 0.0)
+    for step in range(1, 4):
+        row(run_dir, step)
+    segments.flush()
+    real, calls = storage.write_bytes, []
+
+    def flaky(uri, data):
+        calls.append(uri)
+        if len(calls) == 1:
+            raise OSError("503 Slow Down")
+        real(uri, data)
+
+    monkeypatch.setattr(storage, "write_bytes", flaky)
+    writer = BoardWriter(run_dir, spool=str(tmp_path))
+    writer.poll()  # the copy fails: nothing recorded, nothing raised
+    assert writer.unsaved and not storage.exists(f"{run_dir}/tensorboard/{PROGRESS}")
+    writer.poll()  # no new record; the same file copied again, then the progress
+    assert not writer.unsaved and storage.exists(f"{run_dir}/tensorboard/{PROGRESS}")
+    writer.close()
+    assert [s for s, _ in points(board_on(f"{run_dir}/tensorboard"), "loss")] == [1, 2, 3]
