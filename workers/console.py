@@ -29,7 +29,8 @@ def _clock(seconds: float) -> str:
 
 
 class Reporter:
-    def __init__(self, run_dir: str, out: TextIO = sys.stdout, started: float | None = None, board=None):
+    def __init__(self, run_dir: str, out: TextIO = sys.stdout, started: float | None = None,
+                 views: list | None = None):
         self.events = events.tail(run_dir, events.EVENTS)
         self.metrics = events.tail(run_dir, events.METRICS)
         self.out, self.started = out, started or time.time()
@@ -42,7 +43,8 @@ class Reporter:
         self.failures: list[dict[str, Any]] = []  # failure events of the attempt that is failing
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
-        self.board = board  # a workers.tensorboard.BoardWriter, polled along, or None
+        # Polled along: workers.tensorboard.BoardWriter, workers.mlflow_logger.MlflowLogger.
+        self.views = list(views or [])
         # Records written before this driver started belong to an earlier run of the job.
         self.events.skip_to_end()
         self.metrics.skip_to_end()
@@ -66,17 +68,16 @@ class Reporter:
                 (now - self.printed_at >= PROGRESS_EVERY_S and self._pace() is not None)
                 or self.last["step"] == self.total):
             self.progress(now)
-        self.tend_board(close=False)
+        self.tend_views(close=False)
 
-    def tend_board(self, close: bool) -> None:
-        # TensorBoard is a view: a failure there is said once, and training goes on.
-        if self.board is None:
-            return
-        try:
-            self.board.close() if close else self.board.poll()
-        except Exception as e:
-            self.board = None
-            self.say(f"TensorBoard files are no longer written: {type(e).__name__}: {e}")
+    def tend_views(self, close: bool) -> None:
+        # TensorBoard and MLflow are views: a failure there is said once, and training goes on.
+        for view in list(self.views):
+            try:
+                view.close() if close else view.poll()
+            except Exception as e:
+                self.views.remove(view)
+                self.say(f"{view.STOPPED}: {type(e).__name__}: {e}")
 
     def _pace(self) -> float | None:
         """Seconds a step in the current attempt, from where its pace is measured."""
@@ -185,7 +186,7 @@ class Reporter:
             self.thread.join()
         self.poll()
         self.failure_block()
-        self.tend_board(close=True)
+        self.tend_views(close=True)
 
 
 class QuietRay:

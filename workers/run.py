@@ -107,6 +107,21 @@ def spool_dir(run_dir: str) -> str:
     return os.path.join(cache_dir(), "spool", storage.name(run_dir))
 
 
+def mlflow_view(spec: JobSpec, run_dir: str) -> list:
+    """[the job's MLflow logger] when MLFLOW_TRACKING_URI is set; a line, and no logger,
+    when mlflow is not installed: training goes on."""
+    from workers import mlflow_logger
+
+    if not mlflow_logger.wanted():
+        return []
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        print(f"[train] {mlflow_logger.NOT_INSTALLED}", flush=True)
+        return []
+    return [mlflow_logger.MlflowLogger(run_dir, spec.model_dump(mode="json"))]
+
+
 def tee_output(run_dir: str) -> str | None:
     """Copy this driver's whole output (its own lines, Ray's, the workers' forwarded ones)
     into the run record too: Ray keeps a job's logs only while its head lives, and the
@@ -330,8 +345,8 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
         print(notice, flush=True)
     note_lost_driver(run_dir)
     forget_ray_snapshot(run_dir)
-    reporter = Reporter(run_dir, started=started,
-                        board=BoardWriter(run_dir, spool=spool_dir(run_dir)))
+    reporter = Reporter(run_dir, started=started, views=[BoardWriter(run_dir, spool=spool_dir(run_dir)),
+                                                         *mlflow_view(spec, run_dir)])
     events.emit(run_dir, events.JobStarted(pid=os.getpid(), ray_address=os.environ.get("RAY_ADDRESS")))
     print(f"[train] job {spec.job_id}: {tasks.describe(spec)}, {spec.strategy}, "
           f"{spec.workers if not spec.elastic else f'{spec.workers.min}-{spec.workers.max}'} worker(s); "

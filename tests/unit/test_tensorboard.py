@@ -100,7 +100,7 @@ def test_the_finished_scores_are_a_point_when_no_line_had_them(tmp_path):
         row(run_dir, step)
     events.emit(run_dir, "finished", final_step=3, loss=0.3, val_loss=0.7, val_accuracy=0.6,
                 val_metrics={"accuracy": 0.6})
-    reporter = Reporter(run_dir, out=io.StringIO(), started=0.0, board=BoardWriter(run_dir))
+    reporter = Reporter(run_dir, out=io.StringIO(), started=0.0, views=[BoardWriter(run_dir)])
     reporter.stop()  # the driver's last poll closes the board
     acc = board(run_dir)
     assert points(acc, "val/loss") == [(3, 0.7)] and points(acc, "val/accuracy") == [(3, 0.6)]
@@ -109,11 +109,13 @@ def test_the_finished_scores_are_a_point_when_no_line_had_them(tmp_path):
 
 def test_a_board_that_fails_is_said_once_and_the_console_goes_on(tmp_path):
     class Broken:
+        STOPPED = BoardWriter.STOPPED
+
         def poll(self):
             raise OSError("disk full")
 
     out = io.StringIO()
-    reporter = Reporter(str(tmp_path), out=out, started=0.0, board=Broken())
+    reporter = Reporter(str(tmp_path), out=out, started=0.0, views=[Broken()])
     reporter.poll()
     reporter.poll()
     reporter.stop()
@@ -196,3 +198,20 @@ def test_a_storage_blip_is_copied_again_at_the_next_round(s3_bucket, tmp_path, m
     assert not writer.unsaved and storage.exists(f"{run_dir}/tensorboard/{PROGRESS}")
     writer.close()
     assert [s for s, _ in points(board_on(f"{run_dir}/tensorboard"), "loss")] == [1, 2, 3]
+
+
+def test_a_live_recovery_is_a_stall_point_and_a_line_where_the_survivors_went_on(tmp_path):
+    run_dir = str(tmp_path)
+    for step in range(1, 13):
+        row(run_dir, step)
+    events.emit(run_dir, events.LiveRecovered(
+        attempt=1, failed_ranks=[2], groups=[0, 1, 2], failed_after_step=7, rejoined_at_step=11, stall_s=1.5,
+        rejoin_s=6.25, survivor_steps=3, samples_skipped=48, survivors_restarted=False))
+    BoardWriter(run_dir).close()
+    acc = board(run_dir)
+    assert points(acc, "live/stall_s") == [(7, 1.5)] and points(acc, "live/rejoin_s") == [(7, 6.25)]
+    (text,) = acc.Tensors("recoveries/text_summary")
+    said = text.tensor_proto.string_val[0].decode()
+    assert text.step == 7
+    assert "rank 2 failed after step 7 (live)" in said and "3 step(s) without it" in said
+    assert "rejoined at step 11 after 6.2s" in said
