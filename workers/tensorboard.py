@@ -56,7 +56,7 @@ class BoardWriter:
             os.makedirs(spool or tempfile.gettempdir(), exist_ok=True)
             self.dir = tempfile.mkdtemp(prefix="tensorboard-", dir=spool)
         self.copied: dict[str, int] = {}  # spool file: size copied to the store
-        self.copied_at = 0.0
+        self.read_at = 0.0
         self.unsaved = False  # points written that the saved progress does not count yet
         self.feed = Feed(run_dir)
         # After an earlier driver: its points past the progress it saved are hidden.
@@ -78,7 +78,11 @@ class BoardWriter:
 
     def poll(self, final: bool = False) -> None:
         """Write what was appended since the last call; flush and record progress if any
-        (on an object store: copy the files, then record, at most every COPY_EVERY_S)."""
+        (on an object store: read, copy the files, then record, at most every COPY_EVERY_S:
+        each read there lists the record's streams)."""
+        if self.remote and not final and time.time() - self.read_at < COPY_EVERY_S:
+            return
+        self.read_at = time.time()
         points = self.feed.read()
         for p in points:
             if p.text is None:
@@ -88,15 +92,14 @@ class BoardWriter:
         if points:
             self.writer.flush()
             self.unsaved = True
-        if self.unsaved and (not self.remote or final or time.time() - self.copied_at >= COPY_EVERY_S):
+        if self.unsaved:
             try:
                 self._copy()
                 self._save()
             except Exception:
                 if final or not self.remote:
                     raise
-                self.copied_at = time.time()  # a storage blip: the next round copies the same files again
-                return
+                return  # a storage blip: the next round copies the same files again
             self.unsaved = False
             self._roll()
 
@@ -126,7 +129,6 @@ class BoardWriter:
                     data = f.read()
                 storage.write_bytes(storage.join(self.board, name), data)
                 self.copied[name] = len(data)
-        self.copied_at = time.time()
 
     def _roll(self) -> None:
         """On an object store, a full event file is closed (it was just copied whole) and

@@ -146,7 +146,7 @@ def test_on_object_storage_the_spool_is_copied_whole_and_a_driver_on_another_hos
     for step in range(6, 9):
         row(run_dir, step)
     segments.flush()
-    first.poll()  # within COPY_EVERY_S of the last copy: written to the spool only
+    first.poll()  # within COPY_EVERY_S of the last read: not read yet
     assert [s for s, _ in points(board_on(remote), "loss")] == [1, 2, 3, 4, 5]
     events.emit(run_dir, "resumed", failed_rank=0, cause="worker process died", from_step=5, lost_steps=3,
                 recovery_s=2.0)
