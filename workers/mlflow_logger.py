@@ -121,10 +121,14 @@ class MlflowLogger:
             return None
         if saved.get("tracking_uri_sha256") != _digest(self.uri):
             return None  # another server: a run of its own there, from the first step
+        from mlflow.exceptions import MlflowException
+
         try:
             run = self.client.get_run(saved["run_id"])
-        except Exception:  # deleted there since: start afresh
-            return None
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise  # the server is there but refuses: said, rather than a second run
+            return None  # removed there since: a run afresh
         if run.info.lifecycle_stage == "deleted":
             return None
         self.feed.restore(saved["progress"])

@@ -4,6 +4,7 @@ one-line JSON summary last. The same command works under `ray job submit`."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -114,9 +115,7 @@ def mlflow_view(spec: JobSpec, run_dir: str) -> list:
 
     if not mlflow_logger.wanted():
         return []
-    try:
-        import mlflow  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("mlflow") is None:  # imported by the logger's thread, not here
         print(f"[train] {mlflow_logger.NOT_INSTALLED}", flush=True)
         return []
     return [mlflow_logger.MlflowLogger(run_dir, spec.model_dump(mode="json"))]

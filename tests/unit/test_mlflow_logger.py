@@ -4,9 +4,9 @@ and the verdict; a server that is not there costs the driver one line, not its r
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
-import sys
 import time
 
 import pytest
@@ -103,6 +103,19 @@ def test_without_mlflow_installed_the_driver_says_how_to_get_it(tmp_path, monkey
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert mlflow_view(spec, str(tmp_path)) == []
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setitem(sys.modules, "mlflow", None)  # `import mlflow` fails as when it is not installed
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
     assert mlflow_view(spec, str(tmp_path)) == []
     assert "pip install 'elastic-train[mlflow]'" in capsys.readouterr().out
+
+
+def test_a_run_deleted_in_mlflow_is_started_afresh_from_the_first_step(tracking, tmp_path):
+    run_dir = str(tmp_path)
+    for step in (1, 2, 3):
+        row(run_dir, step)
+    MlflowLogger(run_dir, SPEC).close()
+    tracking.delete_run(the_run(tracking).info.run_id)
+    row(run_dir, 4)
+    MlflowLogger(run_dir, SPEC).close()
+    run = the_run(tracking)  # search_runs leaves deleted runs out
+    assert steps(tracking, run.info.run_id, "loss") == [1, 2, 3, 4]
