@@ -37,7 +37,7 @@ ROLL_BYTES = 1 << 20
 
 
 def board_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, DIR)
+    return storage.join(run_dir, DIR)
 
 
 class BoardWriter:
@@ -49,11 +49,12 @@ class BoardWriter:
         """`spool`: where the event files are written first when `run_dir` is on an object
         store (a fresh directory under it, removed by close())."""
         # `board` is where the files end up; `dir` where TensorBoard's writer writes them.
-        self.board = board_dir(run_dir) if storage.is_local(run_dir) else storage.join(run_dir, DIR)
+        self.board = board_dir(run_dir)
         self.remote = not storage.is_local(run_dir)
         self.dir = self.board
         if self.remote:
-            os.makedirs(spool or tempfile.gettempdir(), exist_ok=True)
+            if spool:
+                os.makedirs(spool, exist_ok=True)
             self.dir = tempfile.mkdtemp(prefix="tensorboard-", dir=spool)
         self.copied: dict[str, int] = {}  # spool file: size copied to the store
         self.read_at = 0.0
