@@ -47,6 +47,8 @@ class WorkerEnv:
     # the process group up (epoch seconds): the bench splits a restart's seconds by them.
     process_started: float | None = None
     ready: float | None = None
+    # Called once the worker group is up, the checkpoint loaded, about to train.
+    on_started: Callable[[], Any] = lambda: None
 
 
 @dataclass
@@ -229,6 +231,7 @@ def _train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] 
                    workers=spec.dataset.loader_workers)
     every = spec.evaluation.every_steps if spec.evaluation and val_set is not None else 0
     watchdog.beat("training", state.step)
+    env.on_started()
 
     def amp():
         return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)

@@ -9,10 +9,10 @@ import os
 import time
 
 
-def process_started() -> float | None:
-    """None where /proc is not Linux's."""
+def process_started(pid: int | str = "self") -> float | None:
+    """None where /proc is not Linux's, or the process is gone."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
         # Field 22 (starttime); the command name (field 2) may hold spaces, so count from its ")".
         ticks = int(stat[stat.rindex(")") + 2:].split()[19])

@@ -55,6 +55,11 @@ def train_func(config: dict[str, Any]) -> None:
 
     env = WorkerEnv(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), on_checkpoint,
                     node_id=ray.get_runtime_context().get_node_id(), process_started=process_started(), ready=ready)
+    if _wants_spares(spec) and env.local_rank == 0:
+        from workers import spares
+
+        # One spare per worker on this node: an exact-mode restart starts them all again.
+        env.on_started = lambda: spares.keep(ctx.get_local_world_size())
     if spec.failure.mode == "live":
         from ray.train.collective import barrier
         from ray.train.v2._internal.execution.context import get_train_context
@@ -65,6 +70,10 @@ def train_func(config: dict[str, Any]) -> None:
         env.generation = get_train_context().get_synchronization_actor()._actor_id.hex()
         env.barrier = barrier
     train(spec, env)
+
+
+def _wants_spares(spec: JobSpec) -> bool:
+    return spec.failure.mode == "exact" and spec.failure.spares
 
 
 def _ray_checkpoint(cls, path: str | None):
@@ -264,6 +273,11 @@ def worker_runtime_env(spec: JobSpec, code: str | None) -> dict[str, Any]:
     working directory (Ray uploads it, so workers on other machines import it) and the
     spec's requirements."""
     env: dict[str, Any] = {"env_vars": dict(WORKER_ENV)}
+    if _wants_spares(spec):
+        from workers import spares
+
+        # Ray runs the hook in every process of the job; it warms only training workers.
+        env["worker_process_setup_hook"] = spares.HOOK
     if code:
         env["working_dir"] = code
     if spec.requirements:
@@ -392,8 +406,9 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
 def _trainer(spec: JobSpec, run_dir: str):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
+    from workers import spares
     from workers.recorder import FailureRecorder
-    from workers.trainer import Trainer
+    from workers.trainer import SyncActorSpare, Trainer
 
     use_gpu = spec.resources.gpu > 0
     return Trainer(
@@ -415,7 +430,8 @@ def _trainer(spec: JobSpec, run_dir: str):
             failure_config=FailureConfig(max_failures=spec.failure.max_failures),
             # Retention is ours (checkpoint.prune): Ray must not delete what we may resume from.
             checkpoint_config=CheckpointConfig(num_to_keep=None),
-            callbacks=[FailureRecorder(run_dir)],
+            callbacks=[FailureRecorder(run_dir), *([SyncActorSpare()] if _wants_spares(spec) else [])],
+            worker_runtime_env={"env_vars": {spares.TRAIN_WORKER_ENV: "1"}} if _wants_spares(spec) else None,
         ),
     )
 

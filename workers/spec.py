@@ -218,6 +218,12 @@ class FailureSpec(_Part):
         description="A worker that makes no progress this long (a step, a batch read, a checkpoint phase, an "
                     "evaluation batch) is declared hung and restarted like a crashed one.",
     )
+    spares: bool = Field(
+        True,
+        description="exact mode: from 5 s after the workers start to train, each node keeps one idle Ray worker "
+                    "process per worker it runs, torch imported (at idle CPU priority); a restart starts in them "
+                    "instead of booting new processes. Costs each spare's memory and its boot, once per start.",
+    )
 
 
 class FsdpSpec(_Part):

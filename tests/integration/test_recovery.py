@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.conftest import finish, recovery_spec, run_job, start_job
+from workers.process_clock import process_started
 
 pytestmark = pytest.mark.ray
 INTERVAL = recovery_spec("x")["checkpoint"]["every_steps"]
@@ -114,3 +115,82 @@ def test_no_preemption_watcher_or_dataset_manager_was_started(ray_cluster, twin,
     names = {a.class_name for a in list_actors(address=ray_cluster.dashboard, limit=10000)}
     assert "RayTrainWorker" in names, names  # the twin's workers, alive or dead: the listing holds them
     assert not names & {"PreemptionWatcher", "DatasetManager"}, names
+
+
+def _idle_workers(ray_job: str) -> dict[int, tuple[bool, bool]]:
+    """This Ray job's idle worker processes on this machine (spares, failure.spares): for
+    each, whether it was started for Ray Train's workers and whether torch is loaded in it."""
+    idle = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(b"ray::IDLE"):
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = set(f.read().split(b"\0"))
+            if f"RAY_JOB_ID={ray_job}".encode() in env:
+                with open(f"/proc/{pid}/maps") as f:
+                    idle[int(pid)] = (b"ETRAIN_TRAIN_WORKER=1" in env, "libtorch_cpu" in f.read())
+        except OSError:  # gone meanwhile
+            continue
+    return idle
+
+
+def _warm_spares(ray_job: str) -> dict[int, bool]:
+    """The spares for Ray Train's workers, each with whether torch is loaded in it yet."""
+    return {pid: torch for pid, (train, torch) in _idle_workers(ray_job).items() if train}
+
+
+def test_restart_starts_in_warm_spares_that_end_with_the_job(ray_cluster, tmp_path, monkeypatch):
+    """failure.spares (the default): once the workers train, the node holds one idle Ray
+    worker per worker, torch imported; the restart after a killed worker starts in those
+    rather than booting new processes, and the job's spares end with the job, on a
+    cluster that outlives it (as `etrain serve`'s does)."""
+    from ray.util.state import list_actors
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    spec = recovery_spec("spares")
+    spec["training"]["max_steps"] = 3000  # long enough for the spares to warm up first (~10 s on 2 busy cores)
+    spec["checkpoint"]["every_steps"] = 100
+    proc, run_dir = start_job(ray_cluster, spec, tmp_path)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or not metrics.read_text().strip()):
+            time.sleep(0.2)
+        actors = list_actors(address=ray_cluster.dashboard,
+                             filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        assert len(actors) == 2, actors
+        ray_job = actors[0].job_id
+        spares: dict[int, bool] = {}
+        while time.time() < deadline and not (len(spares) == 2 and all(spares.values())):
+            assert proc.poll() is None, "the job ended before its spares were warm"
+            time.sleep(0.5)
+            spares = _warm_spares(ray_job)
+        assert len(spares) == 2 and all(spares.values()), spares
+        killed = time.time()
+        os.kill(actors[-1].pid, signal.SIGKILL)
+        # Ray Train's synchronization actor, new with every worker group, starts in the
+        # controller's spare.
+        while time.time() < deadline + 120 and '"resumed"' not in (run_dir / "events.jsonl").read_text():
+            assert proc.poll() is None, "the job ended before it resumed"
+            time.sleep(0.2)
+        (sync,) = list_actors(address=ray_cluster.dashboard, filters=[("class_name", "=", "SynchronizationActor"),
+                                                                      ("state", "=", "ALIVE")])
+        assert process_started(sync.pid) < killed
+        outcome = finish(proc, run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert outcome.rc == 0, outcome.output[-3000:]
+    assert outcome.summary["restarts"] == 1 and outcome.summary["final_step"] == 3000
+    restarted = [w for w in outcome.events("worker_started") if w["attempt"] == 2]
+    assert {w["pid"] for w in restarted} == set(spares), (restarted, spares)
+    assert all(w["process_started"] < killed for w in restarted), restarted
+    (resumed,) = outcome.events("resumed")
+    assert 0 <= resumed["lost_steps"] <= spec["checkpoint"]["every_steps"], resumed
+    deadline = time.time() + 30  # the raylet ends a finished job's idle workers within a few seconds
+    while _idle_workers(ray_job) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _idle_workers(ray_job)

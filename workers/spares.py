@@ -1,0 +1,109 @@
+"""Warm spare processes for the next restart of the worker group.
+
+A restart in exact mode starts every worker again, and on a small host most of its
+seconds are new processes booting: Ray's worker start, then `import torch` and
+`ray.train.torch` (~3 CPU-s each here). Ray's raylet can start idle worker processes
+ahead of time for a given job and runtime env (PrestartWorkers), and an actor with that
+same job and env takes one instead of starting its own; the job's setup hook imports
+what a training worker needs while the process sits idle. So once a worker group is up,
+each node asks its raylet for as many spares as it runs workers, and the next group on
+that node starts in processes that are already warm.
+
+Why by hand: Ray 2.60 has the raylet's PrestartWorkers RPC but no Python API for it
+(newer Rays have `prestart_workers_on_local_node`, the same request through the core
+worker). This module sends the request itself, through Ray's own gRPC channel helper
+(token auth included), with the runtime env string the calling worker was started
+with: the raylet matches spares to actors by a hash of that exact string.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+# Set on Ray Train's workers only (RunConfig.worker_runtime_env), so that the job's
+# setup hook, which Ray runs in every process of the job, warms only processes that
+# may become training workers: never the controller.
+TRAIN_WORKER_ENV = "ETRAIN_TRAIN_WORKER"
+HOOK = "workers.spares.warm_up"
+# The raylet keeps an idle spare at least this long; after that it may end it when the
+# node runs short of idle CPUs, and it always ends a finished job's idle processes. So
+# a long job asks again before then: spares that outlive a failure-free stretch.
+KEEP_ALIVE_S = 600
+RENEW_S = 540
+# A spare boots on the cores the workers train on (its imports at idle priority, Ray's
+# own start not): a job that ends within seconds of its start never pays for one.
+FIRST_AFTER_S = 5.0
+
+
+def warm_up() -> None:
+    """Ray's worker_process_setup_hook: runs when any process of the job starts.
+
+    The imports run in a thread of the lowest priority (SCHED_IDLE), so that spares
+    booting beside a training group take only cores it leaves idle. Only that thread
+    is lowered: a process cannot raise its priority again without privileges, and the
+    process goes on to be a training worker."""
+    if not os.environ.get(TRAIN_WORKER_ENV):
+        return
+    thread = threading.Thread(target=_import_at_idle_priority, name="etrain-warm-up")
+    thread.start()
+    thread.join()
+
+
+def _import_at_idle_priority() -> None:
+    if hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    try:
+        import ray.train.torch  # noqa: F401
+
+        import workers.loop  # noqa: F401  (torch, the strategies, the tasks)
+    except Exception:  # noqa: BLE001, S110  (the worker imports them again and reports what fails, with its job)
+        pass
+
+
+def keep(count: int, after_s: float = FIRST_AFTER_S, stop: threading.Event | None = None) -> threading.Thread:
+    """Keep `count` spares on this node from `after_s` on, until `stop` is set, from a
+    thread: training never waits on the raylet, and a refused request costs one line,
+    not the job."""
+    stop = stop or threading.Event()
+
+    def ask() -> None:
+        if stop.wait(after_s):
+            return
+        while True:
+            try:
+                prestart(count)
+            except Exception as exc:  # noqa: BLE001  (spares only make a restart faster: say so and train on)
+                print(f"[train] no warm spare processes for the next restart: {exc}", flush=True)
+                return
+            if stop.wait(RENEW_S):
+                return
+
+    thread = threading.Thread(target=ask, name="etrain-spares", daemon=True)
+    thread.start()
+    return thread
+
+
+def prestart(count: int) -> None:
+    import ray
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray._private.utils import get_runtime_env_info
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+    from ray.runtime_env import RuntimeEnv
+
+    context = ray.get_runtime_context()
+    env = context.get_runtime_env_string()
+    info = get_runtime_env_info(RuntimeEnv.deserialize(env), is_job_runtime_env=False, serialize=False)
+    # The raylet hashes this string to match a spare to an actor; Python's own
+    # serialization of the same env differs in its spacing, so keep the worker's.
+    info.serialized_runtime_env = env
+    node = ray._private.worker.global_worker.node
+    channel = init_grpc_channel(f"{node.node_ip_address}:{node.node_manager_port}")
+    try:
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
+            node_manager_pb2.PrestartWorkersRequest(
+                language=common_pb2.PYTHON, job_id=bytes.fromhex(context.get_job_id()), runtime_env_info=info,
+                keep_alive_duration_secs=KEEP_ALIVE_S, num_workers=count),
+            timeout=30)
+    finally:
+        channel.close()
