@@ -174,6 +174,7 @@ def parse_args(argv):
     p.add_argument("--cpu", type=float, default=1.0)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--crash-step", type=int, default=170)
+    p.add_argument("--no-spares", action="store_true", help="exact: failure.spares false (see vs_torchrun.py)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--collective-timeout", type=int, default=30)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shutil
@@ -77,7 +78,7 @@ def job_spec(args: argparse.Namespace, job_id: str, storage: str, crash: bool) -
         "resources": {"cpu": args.cpu},
         "training": {"max_steps": args.steps, "global_batch_size": args.batch, "seed": args.seed},
         "checkpoint": {"every_steps": args.checkpoint_every, "keep": 3},
-        "failure": {"max_failures": 3, "collective_timeout_s": args.collective_timeout},
+        "failure": {"max_failures": 3, "collective_timeout_s": args.collective_timeout, "spares": not args.no_spares},
         "faults": faults,
         "storage": storage,
     }))
@@ -298,6 +299,18 @@ def _latest(values) -> float | None:
     return max(values) if values else None
 
 
+def warm_starts(run: Run) -> str | None:
+    """How many of the restarted workers started in a warm spare: a process that was
+    up before the fault."""
+    fault = next(iter(events.events(run.run_dir, Kind.FAULT_INJECTED)), None)
+    resumed = next(iter(events.events(run.run_dir, Kind.RESUMED)), None)
+    if not fault or not resumed:
+        return None
+    workers = _started(run, resumed["attempt"])
+    warm = [w for w in workers if (w.get("process_started") or math.inf) < fault["time"]]
+    return f"{len(warm)}/{len(workers)}"
+
+
 def restart_phases(run: Run) -> dict[str, float] | None:
     """Where a restart's seconds went, failure to the next completed step. The slowest
     worker gates each phase, so each instant is the last worker's."""
@@ -306,7 +319,10 @@ def restart_phases(run: Run) -> dict[str, float] | None:
     if not resumed or not fault:
         return None
     failed = [f for f in events.events(run.run_dir, Kind.WORKER_FAILED) if f["time"] >= fault["time"]]
-    workers = _started(run, resumed["attempt"])
+    # A worker that started in a warm spare (failure.spares) was booted before the fault:
+    # its process start is no phase of this restart.
+    workers = [{**w, "process_started": w.get("process_started") if (w.get("process_started") or 0) > fault["time"]
+                else None} for w in _started(run, resumed["attempt"])]
     return _phases([
         ("fault", fault["time"]),
         # A survivor's collective failed on the dead peer (its own worker_failed).
@@ -394,7 +410,8 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
         "elastic-train (Ray Train) vs torchrun: the same loop (workers.loop.train), DDP on gloo, CPU",
         f"job: simple_cnn, synthetic {args.dataset_size} samples, {args.workers} workers x {args.cpu:g} CPU, "
         f"global batch {args.batch}, {args.steps} steps, checkpoint every {args.checkpoint_every}, seed {args.seed}",
-        f"fault: rank 1 SIGKILLed at step {args.crash_step} (Ray Train max_failures 3, torchrun --max-restarts 1)",
+        f"fault: rank 1 SIGKILLed at step {args.crash_step} (Ray Train max_failures 3, torchrun --max-restarts 1); "
+        f"Ray's warm spares {'off' if args.no_spares else 'on'}",
         f"host: {platform.node()}, {os.cpu_count()} cores, python {platform.python_version()}, "
         + ", ".join(f"{k} {v}" for k, v in versions.items())
         + f"; load avg {load[0][0]:.2f} before, {load[1][0]:.2f} after; {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
@@ -415,6 +432,8 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
         row("recovery_s: failure -> next completed step", get(rec["ray"], "recovery_s"), get(rec["torchrun"], "recovery_s"), "{:.2f}"),
         row("  failure -> next attempt_started event (s)", get(rec["ray"], "to_restart_s"), get(rec["torchrun"], "to_restart_s"), "{:.2f}"),
         row("  attempt_started -> first step (s)", get(rec["ray"], "to_step_s"), get(rec["torchrun"], "to_step_s"), "{:.2f}"),
+        row("  restarted workers that started warm (spares)",
+            *(warm_starts(runs[(s, True)]) if (s, True) in runs else None for s in SYSTEMS), "{}", ratio=False),
         row("restarts", get(rec["ray"], "restarts"), get(rec["torchrun"], "restarts"), "{}", ratio=False),
         row("resumed from step", get(rec["ray"], "from_step"), get(rec["torchrun"], "from_step"), "{}", ratio=False),
         row("steps recomputed (lost_steps)", get(rec["ray"], "lost_steps"), get(rec["torchrun"], "lost_steps"), "{}", ratio=False),
@@ -464,6 +483,7 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
             "recovery": [{"mode": "exact", **rec[s]}] if rec[s] else [],
             "launch_phases_s": launch_phases(runs[(s, False)]) if (s, False) in runs else None,
             "restart_phases_s": restart_phases(runs[(s, True)]) if (s, True) in runs else None,
+            "warm_starts": warm_starts(runs[(s, True)]) if (s, True) in runs else None,
             "recovered_equals_undisturbed": same[s],
             "ok": all(runs[(s, c)].ok for c in (False, True) if (s, c) in runs),
         }
@@ -487,13 +507,17 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python bench/vs_torchrun.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="max_steps of every run")
+    p.add_argument("--steps", type=int, default=2000, help="max_steps of every run")
     p.add_argument("--dataset-size", type=int, default=8192, help="synthetic samples")
     p.add_argument("--batch", type=int, default=64, help="global batch size")
     p.add_argument("--workers", type=int, default=2, help="DDP workers (>= 2: rank 1 is the one killed)")
     p.add_argument("--cpu", type=float, default=1.0, help="CPUs (threads) per worker")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
-    p.add_argument("--crash-step", type=int, default=170, help="step at which rank 1 is SIGKILLed")
+    p.add_argument("--crash-step", type=int, default=1500,
+                   help="step at which rank 1 is SIGKILLed; Ray's warm spares (failure.spares) boot from 5 s "
+                        "after a group starts to train, so an earlier failure finds none")
+    p.add_argument("--no-spares", action="store_true", help="Ray: failure.spares false (every restart boots "
+                                                            "new processes, as before spares)")
     p.add_argument("--warmup", type=int, default=20, help="steps of attempt 1 left out of the steady state")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--collective-timeout", type=int, default=30, help="collective_timeout_s (both systems)")
