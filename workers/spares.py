@@ -26,11 +26,11 @@ import threading
 # may become training workers: never the controller.
 TRAIN_WORKER_ENV = "ETRAIN_TRAIN_WORKER"
 HOOK = "workers.spares.warm_up"
-# The raylet keeps an idle spare at least this long; after that it may end it when the
-# node runs short of idle CPUs, and it always ends a finished job's idle processes. So
-# a long job asks again before then: spares that outlive a failure-free stretch.
-KEEP_ALIVE_S = 600
-RENEW_S = 540
+# How long the raylet keeps an idle spare before it may end it (when the node runs short
+# of idle CPUs; a finished job's idle processes it ends at once), and how often a node
+# counts its spares and tops them up again.
+KEEP_ALIVE_S = 3600
+TOP_UP_S = 60.0
 # A spare boots on the cores the workers train on (its imports at idle priority, Ray's
 # own start not): a job that ends within seconds of its start never pays for one.
 FIRST_AFTER_S = 5.0
@@ -61,27 +61,60 @@ def _import_at_idle_priority() -> None:
         pass
 
 
-def keep(count: int, after_s: float = FIRST_AFTER_S, stop: threading.Event | None = None) -> threading.Thread:
-    """Keep `count` spares on this node from `after_s` on, until `stop` is set, from a
-    thread: training never waits on the raylet, and a refused request costs one line,
-    not the job."""
+def keep(count: int, train: bool = True, after_s: float = FIRST_AFTER_S,
+         stop: threading.Event | None = None) -> threading.Thread:
+    """Keep `count` spares on this node from `after_s` on, until `stop` is set: spares for
+    training workers, or (`train` False) for the job's other actors. From a thread:
+    training never waits on the raylet, and a refused request costs one line, not the job.
+
+    The node's spares are counted before each request, so they never grow past `count`:
+    a restart that came while they booted starts fresh processes, and the spares that
+    register after it wait for the next restart rather than being asked for again."""
     stop = stop or threading.Event()
 
     def ask() -> None:
         if stop.wait(after_s):
             return
+        import ray
+
+        job = ray.get_runtime_context().get_job_id()
         while True:
+            missing = count - spares_here(job, train)
             try:
-                prestart(count)
+                if missing > 0:
+                    prestart(missing)
             except Exception as exc:  # noqa: BLE001  (spares only make a restart faster: say so and train on)
                 print(f"[train] no warm spare processes for the next restart: {exc}", flush=True)
                 return
-            if stop.wait(RENEW_S):
-                return
+            if not os.path.isdir("/proc") or stop.wait(TOP_UP_S):
+                return  # without /proc no count: ask once, never pile spares up
 
     thread = threading.Thread(target=ask, name="etrain-spares", daemon=True)
     thread.start()
     return thread
+
+
+def spares_here(job: str, train: bool = True) -> int:
+    """This job's idle or booting Ray worker processes on this node, for training
+    workers or not. Read from /proc (0 without it): the raylet says how many idle workers
+    it has, but not whose or for which runtime env. A process's environment is readable
+    to its own user, as Ray's workers are to the worker asking."""
+    found = 0
+    marker = f"{TRAIN_WORKER_ENV}=1".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            # Idle, or still booting (setproctitle names it once it has connected).
+            if not (cmdline.startswith(b"ray::IDLE") or b"default_worker.py" in cmdline):
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if f"RAY_JOB_ID={job}".encode() in env and (marker in env) == train:
+            found += 1
+    return found
 
 
 def prestart(count: int) -> None:

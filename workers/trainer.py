@@ -44,7 +44,7 @@ class SyncActorSpare(WorkerGroupCallback):
         from workers import spares
 
         self._stop = threading.Event()
-        spares.keep(1, stop=self._stop)
+        spares.keep(1, train=False, stop=self._stop)
 
     def before_worker_group_shutdown(self, worker_group) -> None:
         self._halt()

@@ -4,7 +4,10 @@ tests/integration/test_recovery.py's, on a real Ray cluster."""
 
 import json
 import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -51,8 +54,6 @@ def test_a_spare_imports_at_idle_priority_and_its_main_thread_keeps_its_own(monk
     spares.warm_up()
     assert seen == {"thread": "etrain-warm-up", "policy": os.SCHED_IDLE}
     assert os.sched_getscheduler(0) == before
-    import sys
-
     assert "workers.loop" in sys.modules and "ray.train.torch" in sys.modules
 
 
@@ -63,3 +64,27 @@ def test_processes_that_never_train_are_not_warmed(monkeypatch):
     monkeypatch.delenv(spares.TRAIN_WORKER_ENV, raising=False)
     spares.warm_up()
     assert calls == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="spares are counted from /proc")
+def test_a_node_counts_only_its_jobs_idle_spares_so_they_never_pile_up():
+    """An idle Ray worker is a process named ray::IDLE; a spare for training workers
+    carries the marker in its environment, one for the job's other actors does not."""
+    def idle(job: str, train: bool) -> subprocess.Popen:
+        env = {"PATH": os.environ["PATH"], "RAY_JOB_ID": job, **({spares.TRAIN_WORKER_ENV: "1"} if train else {})}
+        return subprocess.Popen(["bash", "-c", 'exec -a "ray::IDLE" sleep 60'], env=env)
+
+    procs = [idle("0a000000", True), idle("0a000000", True), idle("0a000000", False), idle("0b000000", True)]
+    try:
+        def counts():
+            return (spares.spares_here("0a000000"), spares.spares_here("0a000000", train=False),
+                    spares.spares_here("0b000000"), spares.spares_here("0c000000"))
+
+        deadline = time.time() + 10  # until each bash has exec'd under its new name
+        while counts() != (2, 1, 1, 0) and time.time() < deadline:
+            time.sleep(0.05)
+        assert counts() == (2, 1, 1, 0)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
