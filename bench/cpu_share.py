@@ -124,3 +124,19 @@ class CpuSampler:
         top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:5])
         return {"workers": used[True] / machine, "background": used[False] / machine, "window_s": t1 - t0,
                 "background_top": top}
+
+    def since_start(self, end: float, top: int = 8) -> dict[str, float] | None:
+        """CPU seconds each kind of process spent from the run's start (every process in the
+        tree was born after it) to the last sample before `end`, largest first: where a
+        launch's CPU went, on a machine whose cores it fills."""
+        inside = [seen for t, seen in self.samples if t <= end]
+        if not inside:
+            return None
+        last: dict[int, tuple[bool, str, float]] = {}
+        for seen in inside:
+            last.update(seen)
+        by_name: dict[str, float] = {}
+        for worker, name, cpu in last.values():
+            by_name[name] = by_name.get(name, 0.0) + cpu
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
+        return {"total": sum(by_name.values()), **dict(ranked[:top])}

@@ -357,6 +357,12 @@ def launch_phases(run: Run) -> dict[str, float] | None:
     ])
 
 
+def launch_cpu(run: Run) -> dict[str, float] | None:
+    """CPU seconds by process from launch to the first step (the undisturbed run)."""
+    first = min((m["time"] for m in events.metrics(run.run_dir) if m.get("attempt") == 1), default=None)
+    return run.cpu.since_start(first) if first is not None else None
+
+
 def phases_line(label: str, phases: dict[str, float] | None) -> str:
     if not phases:
         return f"{label}: -"
@@ -459,6 +465,11 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
         if (s, True) in runs:
             lines.append(phases_line(f"{s} restart, s", restart_phases(runs[(s, True)])))
     for s in SYSTEMS:
+        cpu = launch_cpu(runs[(s, False)]) if (s, False) in runs else None
+        if cpu:
+            lines.append(f"{s} launch CPU-s by process ({cpu['total']:.1f} in all): "
+                         + ", ".join(f"{name} {v:.1f}" for name, v in cpu.items() if name != "total"))
+    for s in SYSTEMS:
         top = get(thr[s], "background_top_cpu")
         if top:
             lines.append(f"{s} steady CPU, the rest by process, % of all cores: "
@@ -482,6 +493,7 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
             # undisturbed run. A "live" recovery mode, once there is one, adds rows of its own.
             "recovery": [{"mode": "exact", **rec[s]}] if rec[s] else [],
             "launch_phases_s": launch_phases(runs[(s, False)]) if (s, False) in runs else None,
+            "launch_cpu_s": launch_cpu(runs[(s, False)]) if (s, False) in runs else None,
             "restart_phases_s": restart_phases(runs[(s, True)]) if (s, True) in runs else None,
             "warm_starts": warm_starts(runs[(s, True)]) if (s, True) in runs else None,
             "recovered_equals_undisturbed": same[s],

@@ -254,16 +254,6 @@ def summarize(spec: JobSpec, wall_s: float, error: str | None) -> dict[str, Any]
 # Ray Train's print patch sends a worker's print both to its logger and its stdout,
 # so every line reached the driver twice.
 WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray for the driver of a Ray job
 
@@ -320,17 +310,12 @@ def _ray_init(spec: JobSpec, verbose: bool, code: str | None = None) -> None:
     # controller's), so on a small machine they only compete with the controller and
     # the workers for the cores while the job starts.
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-    # Ray Train's placement-group cleaner asks the State API (the dashboard) whether the
-    # controller lives. Without a dashboard each query times out (a warning every few
-    # seconds, and the run waits on it at the end); with one, it asks "the latest
-    # cluster" on the machine, which is another job's when two run at once. So: a
-    # dashboard of our own, on a port of our own, named to every process of this
-    # cluster (they inherit it).
-    port = _free_port()
-    os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"
+    # No dashboard: nobody is shown its address, and on a cluster of its own the run
+    # leaves out the one part of Ray Train that asked it anything, the placement-group
+    # cleaner (workers/trainer.py). Starting one took ~1 s of the launch here.
     # address="local": a new cluster even where `ray start` left one recorded in /tmp/ray.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=True,
-             dashboard_host="127.0.0.1", dashboard_port=port, log_to_driver=verbose, runtime_env=runtime_env, **quiet)
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+             log_to_driver=verbose, runtime_env=runtime_env, **quiet)
 
 
 def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool = False) -> dict[str, Any]:
@@ -369,14 +354,17 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
     stdout = sys.stdout
     if not verbose:
         sys.stdout = QuietRay(stdout)
+    own_cluster = not os.environ.get("RAY_ADDRESS")  # ray.init starts one, and stops it at the end
     _ray_init(spec, verbose, code)
+    if _wants_spares(spec):
+        _launch_spares(spec, own_cluster)
     reporter.start()
     error = None
     fallbacks = 0
     try:
         while True:
             try:
-                _trainer(spec, run_dir).fit()
+                _trainer(spec, run_dir, own_cluster).fit()
             except TrainingFailedError as e:
                 if _replacement_lost_its_peers(spec, e) and _may_retry(spec, fallbacks):
                     fallbacks += 1
@@ -403,7 +391,31 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
     return summary
 
 
-def _trainer(spec: JobSpec, run_dir: str):
+def _launch_spares(spec: JobSpec, own_cluster: bool) -> None:
+    """The first worker group's processes, booted while the driver builds the trainer
+    (workers/spares.py): as many as its workers that fit on this node, all of them on a
+    cluster this driver started, and the controller's with its actors (on a shared
+    cluster one more: the placement-group cleaner, see workers/trainer.py)."""
+    import ray
+
+    from workers import spares
+
+    here = spec.max_workers
+    try:
+        if not own_cluster:
+            node_id = ray.get_runtime_context().get_node_id()
+            have = next(n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id)
+            need = {"CPU": spec.resources.cpu, "GPU": spec.resources.gpu, **spec.resources.custom}
+            here = min([here, *(int(have.get(k, 0) // v) for k, v in need.items() if v > 0)])
+        # The controller and its synchronization actor; the placement-group cleaner on a
+        # shared cluster; the autoscaling coordinator where an elastic run keeps it.
+        controller_actors = 2 + (not own_cluster) + (own_cluster and spec.elastic)
+        spares.at_launch(here, spares.TRAIN_WORKER_ENV_VARS, controller_actors=controller_actors)
+    except Exception as exc:  # noqa: BLE001  (they only make the start faster: say so and start)
+        print(f"[train] no warm processes for the start: {exc}", flush=True)
+
+
+def _trainer(spec: JobSpec, run_dir: str, own_cluster: bool):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     from workers import spares
@@ -413,6 +425,7 @@ def _trainer(spec: JobSpec, run_dir: str):
     use_gpu = spec.resources.gpu > 0
     return Trainer(
         train_func,
+        own_cluster=own_cluster,
         train_loop_config={"spec": spec.model_dump(mode="json")},
         scaling_config=ScalingConfig(
             # (min, max): Ray Train starts with what fits, restarts smaller after a lost
@@ -431,7 +444,7 @@ def _trainer(spec: JobSpec, run_dir: str):
             # Retention is ours (checkpoint.prune): Ray must not delete what we may resume from.
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             callbacks=[FailureRecorder(run_dir), *([SyncActorSpare()] if _wants_spares(spec) else [])],
-            worker_runtime_env={"env_vars": {spares.TRAIN_WORKER_ENV: "1"}} if _wants_spares(spec) else None,
+            worker_runtime_env={"env_vars": spares.TRAIN_WORKER_ENV_VARS} if _wants_spares(spec) else None,
         ),
     )
 

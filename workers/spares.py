@@ -18,6 +18,7 @@ with: the raylet matches spares to actors by a hash of that exact string.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -25,12 +26,16 @@ import threading
 # setup hook, which Ray runs in every process of the job, warms only processes that
 # may become training workers: never the controller.
 TRAIN_WORKER_ENV = "ETRAIN_TRAIN_WORKER"
+TRAIN_WORKER_ENV_VARS = {TRAIN_WORKER_ENV: "1"}
 HOOK = "workers.spares.warm_up"
 # How long the raylet keeps an idle spare before it may end it (when the node runs short
 # of idle CPUs; a finished job's idle processes it ends at once), and how often a node
 # counts its spares and tops them up again.
 KEEP_ALIVE_S = 3600
 TOP_UP_S = 60.0
+# Launch spares wait only for the actors about to start; one that is not used (its
+# worker went to another node) is the raylet's to end after this.
+LAUNCH_KEEP_ALIVE_S = 120
 # A spare boots on the cores the workers train on (its imports at idle priority, Ray's
 # own start not): a job that ends within seconds of its start never pays for one.
 FIRST_AFTER_S = 5.0
@@ -39,22 +44,44 @@ FIRST_AFTER_S = 5.0
 def warm_up() -> None:
     """Ray's worker_process_setup_hook: runs when any process of the job starts.
 
-    The imports run in a thread of the lowest priority (SCHED_IDLE), so that spares
-    booting beside a training group take only cores it leaves idle. Only that thread
-    is lowered: a process cannot raise its priority again without privileges, and the
-    process goes on to be a training worker."""
+    Beside a training group of the job, the imports run in a thread of the lowest
+    priority (SCHED_IDLE), so that spares take only cores the group leaves idle. Only
+    that thread is lowered: a process cannot raise its priority again without
+    privileges, and the process goes on to be a training worker. At launch, when no
+    group trains here yet, an actor sent to this process waits for the hook to end, so
+    the imports run at the process's own priority."""
     if not os.environ.get(TRAIN_WORKER_ENV):
         return
-    thread = threading.Thread(target=_import_at_idle_priority, name="etrain-warm-up")
+    idle = _group_training_here(os.environ.get("RAY_JOB_ID", ""))
+    thread = threading.Thread(target=_import, args=(idle,), name="etrain-warm-up")
     thread.start()
     thread.join()
 
 
-def _import_at_idle_priority() -> None:
-    if hasattr(os, "SCHED_IDLE"):
+def _group_training_here(job: str) -> bool:
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(b"ray::RayTrainWorker"):
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RAY_JOB_ID={job}".encode() in f.read().split(b"\0"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _pids() -> list[str]:
+    return [p for p in os.listdir("/proc") if p.isdigit()] if os.path.isdir("/proc") else []
+
+
+def _import(idle: bool) -> None:
+    if idle and hasattr(os, "SCHED_IDLE"):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     try:
         import ray.train.torch  # noqa: F401
+        import torch._dynamo  # noqa: F401  (torch.use_deterministic_algorithms imports it: ~0.7 CPU-s here)
 
         import workers.loop  # noqa: F401  (torch, the strategies, the tasks)
     except Exception:  # noqa: BLE001, S110  (the worker imports them again and reports what fails, with its job)
@@ -101,7 +128,7 @@ def spares_here(job: str, train: bool = True) -> int:
     to its own user, as Ray's workers are to the worker asking."""
     found = 0
     marker = f"{TRAIN_WORKER_ENV}=1".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+    for pid in _pids():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
@@ -117,7 +144,53 @@ def spares_here(job: str, train: bool = True) -> int:
     return found
 
 
-def prestart(count: int) -> None:
+def at_launch(workers_here: int, train_env_vars: dict[str, str], controller_actors: int = 2) -> None:
+    """From the driver, after ray.init and before the trainer starts: the processes Ray
+    Train is about to start on this node, booted now, while the driver imports torch
+    and builds the trainer. `controller_actors` in the controller's runtime env (the
+    controller, pinned to the driver's node, the synchronization actor it starts beside
+    itself, and on a shared cluster its placement-group cleaner) and `workers_here` in
+    the training workers' env.
+
+    Each env string is the one Ray will give those actors, made here the way Ray makes
+    it (see `child_env`) from what Ray Train passes: the controller gets the job's env
+    with Ray Train's propagated variables (DataParallelTrainer._initialize_and_run_controller),
+    the workers the controller's with those and RunConfig.worker_runtime_env's
+    (WorkerGroup._get_worker_runtime_env). A string that came out different would only
+    leave the spares unused: tests/integration/test_recovery.py checks that the
+    workers start in them."""
+    import ray
+    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+    from ray.train.v2._internal.constants import (
+        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+        get_env_vars_to_propagate,
+    )
+
+    job = ray.get_runtime_context().get_runtime_env_string()
+    controller = child_env(job, {"env_vars": {
+        **get_env_vars_to_propagate(),
+        RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR: os.environ.get(
+            RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)}})
+    worker = child_env(controller, {"env_vars": {**get_env_vars_to_propagate(), **train_env_vars}})
+    prestart(controller_actors, env=controller, keep_alive_s=LAUNCH_KEEP_ALIVE_S)
+    if workers_here > 0:
+        prestart(workers_here, env=worker, keep_alive_s=LAUNCH_KEEP_ALIVE_S)
+
+
+def child_env(parent: str, child: dict) -> str:
+    """The runtime env string of an actor started with `child` by a process whose env
+    string is `parent`. Ray's core worker (C++) merges the two, the child's keys over the
+    parent's and env_vars key by key, and serializes the result compactly with sorted
+    keys and UTF-8 as it is (nlohmann::json's dump); Ray has no Python function for it."""
+    merged = json.loads(parent)
+    for key, value in child.items():
+        merged[key] = {**merged[key], **value} if key == "env_vars" and "env_vars" in merged else value
+    return json.dumps(merged, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def prestart(count: int, env: str | None = None, keep_alive_s: int = KEEP_ALIVE_S) -> None:
+    """`count` idle worker processes of this job on this node, in the runtime env `env`
+    (None: the caller's own)."""
     import ray
     from ray._private.grpc_utils import init_grpc_channel
     from ray._private.utils import get_runtime_env_info
@@ -125,10 +198,10 @@ def prestart(count: int) -> None:
     from ray.runtime_env import RuntimeEnv
 
     context = ray.get_runtime_context()
-    env = context.get_runtime_env_string()
+    env = env or context.get_runtime_env_string()
     info = get_runtime_env_info(RuntimeEnv.deserialize(env), is_job_runtime_env=False, serialize=False)
     # The raylet hashes this string to match a spare to an actor; Python's own
-    # serialization of the same env differs in its spacing, so keep the worker's.
+    # serialization of the same env differs in its spacing, so keep the given one.
     info.serialized_runtime_env = env
     node = ray._private.worker.global_worker.node
     channel = init_grpc_channel(f"{node.node_ip_address}:{node.node_manager_port}")
@@ -136,7 +209,7 @@ def prestart(count: int) -> None:
         node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
             node_manager_pb2.PrestartWorkersRequest(
                 language=common_pb2.PYTHON, job_id=bytes.fromhex(context.get_job_id()), runtime_env_info=info,
-                keep_alive_duration_secs=KEEP_ALIVE_S, num_workers=count),
+                keep_alive_duration_secs=keep_alive_s, num_workers=count),
             timeout=30)
     finally:
         channel.close()

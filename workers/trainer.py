@@ -1,27 +1,58 @@
-"""Ray Train's TorchTrainer, less a Ray worker process this project never uses, and a warm
-spare for one it starts with every worker group."""
+"""Ray Train's TorchTrainer, less the Ray worker processes this project has no use for,
+and a warm spare for one it starts with every worker group."""
 
 from __future__ import annotations
 
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
 
 class Trainer(TorchTrainer):
-    """Ray Train adds its Ray Data callback to every run, and that callback starts a
-    DatasetManager actor for every worker group, datasets or not: one more Ray worker
-    process per start and restart (measured ~1.9 CPU-s to boot here), competing for the
-    cores with the workers that are starting. This project's workers read their own data
-    (workers/data.py), so with no Ray datasets the callback is left out. Ray 2.60 offers
-    no setting for it; the method is private, and Ray is pinned to 2.60.0 in
-    pyproject.toml."""
+    """Each actor Ray Train starts is one more Ray worker process booting (~1-2 CPU-s
+    each here) beside the workers that are starting, on the same cores. Left out:
+
+    - Ray Data's callback, with no Ray datasets: it starts a DatasetManager actor for
+      every worker group, datasets or not. This project's workers read their own data
+      (workers/data.py).
+    - On a cluster this driver started (`own_cluster`), which it stops when the job ends:
+      the placement-group cleaner, a detached actor that removes the run's placement
+      groups should the controller die, where the cluster ends with the job anyway; and
+      the autoscaling coordinator, an actor the controller asks for resources and waits
+      for (up to 5 s) before it starts the first worker group, where no autoscaler runs.
+      An elastic run keeps the coordinator: its policy reads the reserved resources there.
+
+    Ray 2.60 offers no setting for either; the methods are private, and Ray is pinned
+    to 2.60.0 in pyproject.toml."""
+
+    def __init__(self, *args, own_cluster: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.own_cluster = own_cluster
 
     def _create_default_callbacks(self):
-        callbacks = super()._create_default_callbacks()
-        if self.datasets:
-            return callbacks
-        return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+        drop = (() if self.datasets else (DatasetsCallback,)) + \
+            ((PlacementGroupCleanerCallback,) if self.own_cluster else ())
+        return [c for c in super()._create_default_callbacks() if not isinstance(c, drop)]
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        if self.own_cluster and type(controller_init_kwargs.get("scaling_policy")) is FixedScalingPolicy:
+            controller_init_kwargs["scaling_policy"] = NoAutoscalerPolicy(self.scaling_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+
+class NoAutoscalerPolicy(FixedScalingPolicy):
+    """A fixed worker count on a cluster with no autoscaler: nothing to ask for resources."""
+
+    def after_controller_start(self, train_run_context) -> None:
+        pass
+
+    def _maybe_send_resource_request(self) -> None:
+        pass
+
+    def _send_resource_request(self) -> None:
+        pass
 
 
 class SyncActorSpare(WorkerGroupCallback):

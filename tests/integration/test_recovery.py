@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -141,11 +142,13 @@ def _warm_spares(ray_job: str) -> dict[int, bool]:
     return {pid: torch for pid, (train, torch) in _idle_workers(ray_job).items() if train}
 
 
-def test_restart_starts_in_warm_spares_that_end_with_the_job(ray_cluster, tmp_path, monkeypatch):
-    """failure.spares (the default): once the workers train, the node holds one idle Ray
-    worker per worker, torch imported; the restart after a killed worker starts in those
-    rather than booting new processes, and the job's spares end with the job, on a
-    cluster that outlives it (as `etrain serve`'s does)."""
+def test_launch_and_restart_start_in_warm_spares_that_end_with_the_job(ray_cluster, tmp_path, monkeypatch):
+    """failure.spares (the default): the driver has the processes of the controller, its
+    actors and the workers started before the trainer asks for them, and every one is
+    taken (none is left idle when training starts). Once the workers train, the node
+    holds one idle Ray worker per worker, torch imported; the restart after a killed
+    worker starts in those rather than booting new processes, and the job's spares end
+    with the job, on a cluster that outlives it (as `etrain serve`'s does)."""
     from ray.util.state import list_actors
 
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
@@ -158,6 +161,13 @@ def test_restart_starts_in_warm_spares_that_end_with_the_job(ray_cluster, tmp_pa
         deadline = time.time() + 120
         while time.time() < deadline and (not metrics.exists() or not metrics.read_text().strip()):
             time.sleep(0.2)
+        # At once, before the spares for a restart are asked for (spares.FIRST_AFTER_S):
+        # a launch spare whose runtime env string missed the actors' would sit idle here.
+        first = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
+                 if '"worker_started"' in line]
+        with open(f"/proc/{first[0]['pid']}/environ", "rb") as f:
+            launch_job = next(v for v in f.read().split(b"\0") if v.startswith(b"RAY_JOB_ID=")).decode()[11:]
+        assert _idle_workers(launch_job) == {}, "launch spares left unused"
         actors = list_actors(address=ray_cluster.dashboard,
                              filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
         assert len(actors) == 2, actors
@@ -184,6 +194,7 @@ def test_restart_starts_in_warm_spares_that_end_with_the_job(ray_cluster, tmp_pa
             proc.kill()
             proc.wait()
     assert outcome.rc == 0, outcome.output[-3000:]
+    assert "no warm processes" not in outcome.output
     assert outcome.summary["restarts"] == 1 and outcome.summary["final_step"] == 3000
     restarted = [w for w in outcome.events("worker_started") if w["attempt"] == 2]
     assert {w["pid"] for w in restarted} == set(spares), (restarted, spares)

@@ -37,22 +37,26 @@ def test_a_ray_job_with_a_setup_hook_of_its_own_keeps_it(monkeypatch):
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
-def test_a_spare_imports_at_idle_priority_and_its_main_thread_keeps_its_own(monkeypatch):
+@pytest.mark.parametrize("beside_a_group", [True, False])
+def test_a_spare_imports_at_idle_priority_beside_a_training_group_and_at_its_own_at_launch(
+        monkeypatch, beside_a_group):
     """The main thread goes on to train when a worker group takes the spare, and an
-    unprivileged process cannot raise its priority again: only the import thread is lowered."""
+    unprivileged process cannot raise its priority again: only the import thread is
+    lowered, and only where a group trains (at launch an actor waits for the imports)."""
     seen = {}
-    original = spares._import_at_idle_priority
+    original = spares._import
 
-    def recording():
-        original()
+    def recording(idle):
+        original(idle)
         seen["thread"] = threading.current_thread().name
         seen["policy"] = os.sched_getscheduler(0)
 
-    monkeypatch.setattr(spares, "_import_at_idle_priority", recording)
+    monkeypatch.setattr(spares, "_import", recording)
+    monkeypatch.setattr(spares, "_group_training_here", lambda job: beside_a_group)
     monkeypatch.setenv(spares.TRAIN_WORKER_ENV, "1")
     before = os.sched_getscheduler(0)
     spares.warm_up()
-    assert seen == {"thread": "etrain-warm-up", "policy": os.SCHED_IDLE}
+    assert seen == {"thread": "etrain-warm-up", "policy": os.SCHED_IDLE if beside_a_group else before}
     assert os.sched_getscheduler(0) == before
     assert "workers.loop" in sys.modules and "ray.train.torch" in sys.modules
 
@@ -60,10 +64,29 @@ def test_a_spare_imports_at_idle_priority_and_its_main_thread_keeps_its_own(monk
 def test_processes_that_never_train_are_not_warmed(monkeypatch):
     """Ray runs the job's setup hook in every process of the job: the controller too."""
     calls = []
-    monkeypatch.setattr(spares, "_import_at_idle_priority", lambda: calls.append(1))
+    monkeypatch.setattr(spares, "_import", lambda idle: calls.append(1))
     monkeypatch.delenv(spares.TRAIN_WORKER_ENV, raising=False)
     spares.warm_up()
     assert calls == []
+
+
+def test_a_childs_runtime_env_string_is_the_one_ray_makes():
+    """Recorded from Ray 2.60: a job started with this env (spaced, ASCII-escaped, as the
+    driver reports it), and the string an actor it started with
+    runtime_env={"env_vars": {...}} reported. The raylet matches spares by this string,
+    byte for byte."""
+    job = ('{"env_vars": {"OMP_NUM_THREADS": "1", "X_\\u00dc": "\\u00e9", '
+           '"__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": "workers.spares.warm_up"}, '
+           '"worker_process_setup_hook": "workers.spares.warm_up"}')
+    actor = ('{"env_vars":{"ETRAIN_TRAIN_WORKER":"1","OMP_NUM_THREADS":"1","RAY_TRAIN_V2_ENABLED":"1",'
+             '"X_\u00dc":"\u00e9","__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR":"workers.spares.warm_up"},'
+             '"worker_process_setup_hook":"workers.spares.warm_up"}')
+    child = {"env_vars": {"RAY_TRAIN_V2_ENABLED": "1", "ETRAIN_TRAIN_WORKER": "1"}}
+    assert spares.child_env(job, child) == actor
+    # A key other than env_vars replaces the parent's; env_vars merge key by key.
+    merged = json.loads(spares.child_env(actor, {"env_vars": {"OMP_NUM_THREADS": "2"}, "pip": ["x"]}))
+    assert merged["env_vars"]["OMP_NUM_THREADS"] == "2" and merged["env_vars"]["ETRAIN_TRAIN_WORKER"] == "1"
+    assert merged["pip"] == ["x"]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="spares are counted from /proc")
