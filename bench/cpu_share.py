@@ -125,6 +125,19 @@ class CpuSampler:
         return {"workers": used[True] / machine, "background": used[False] / machine, "window_s": t1 - t0,
                 "background_top": top}
 
+    def last_busy(self, name: str, after: float, min_s: float = 0.05) -> float | None:
+        """The last sample time after `after` at which processes named `name` had used more
+        than `min_s` CPU seconds since the sample before: when they went quiet (None: never
+        busy after `after`)."""
+        busy, before = None, None
+        for t, seen in self.samples:
+            now = {pid: cpu for pid, (_, n, cpu) in seen.items() if n == name}
+            if before is not None and t > after and \
+                    sum(cpu - before.get(pid, 0.0) for pid, cpu in now.items()) > min_s:
+                busy = t
+            before = now
+        return busy
+
     def since_start(self, end: float, top: int = 8) -> dict[str, float] | None:
         """CPU seconds each kind of process spent from the run's start (every process in the
         tree was born after it) to the last sample before `end`, largest first: where a

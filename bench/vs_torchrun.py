@@ -1,6 +1,6 @@
 """elastic-train (Ray Train) against plain torchrun: same model, data, workers and loop.
 
-    python bench/vs_torchrun.py [--steps 300] [--dataset-size 8192] ...   (or ./run bench)
+    python bench/vs_torchrun.py [--steps 5000] [--dataset-size 8192] ...   (or ./run bench)
 
 Four jobs, each in its own run directory under a temporary storage root:
 
@@ -12,8 +12,9 @@ each once undisturbed and once with rank 1 SIGKILLed at --crash-step (torchrun w
 and events.jsonl; everything below is read from those files.
 
 Reported: steady-state samples/s (attempt 1, after --warmup steps; median of the per-step
-rate, and the rate over the summed step time and over the wall-clock span), their ratio,
-recovery seconds after the crash (failure -> next completed step, from the `resumed`
+rate, and the rate over the summed step time and over the wall-clock span), the same over
+the steps after Ray's warm spares finished booting (a one-time cost of every start, which
+a 2-core host pays out of the workers' cores), their ratio, recovery seconds after the crash (failure -> next completed step, from the `resumed`
 event, split into failure -> group restarted -> first step), steps recomputed, and
 whether each recovered run ends with the same weights as its undisturbed twin. The table
 goes to --out (a .txt), the same figures as JSON next to it (.json), which `etrain report` draws.
@@ -259,6 +260,19 @@ def throughput(run: Run, warmup: int, batch: int) -> dict[str, float] | None:
     }
 
 
+def spares_warm_step(run: Run) -> int | None:
+    """The first step after Ray's warm spares for a restart (failure.spares) finished
+    booting and importing: they are asked for once the workers train, and import torch
+    at idle priority on the cores the workers train on, a one-time cost per (re)start."""
+    ms = sorted((m for m in events.metrics(run.run_dir) if m.get("attempt") == 1), key=lambda m: m["step"])
+    if not ms:
+        return None
+    quiet = run.cpu.last_busy("ray::IDLE", after=ms[0]["time"])
+    if quiet is None:
+        return None
+    return next((m["step"] for m in ms if m["time"] > quiet), None)
+
+
 def startup_s(run: Run) -> float | None:
     """Job started (before Ray or torchrun is launched) -> first completed step."""
     started = next(iter(events.events(run.run_dir, Kind.JOB_STARTED)), None)
@@ -400,6 +414,12 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
            versions: dict[str, str]) -> tuple[str, bool, dict]:
     """The table, whether every run passed, and the same figures as data (for service/report.py)."""
     thr = {s: throughput(runs[(s, False)], args.warmup, args.batch) if (s, False) in runs else None for s in SYSTEMS}
+    # The same steps on both sides, once Ray's spares are warm: what training costs after
+    # their one-time boot, the state of a job that runs longer than this bench.
+    warm = spares_warm_step(runs[("ray", False)]) if ("ray", False) in runs else None
+    warm = warm if warm and args.warmup < warm < args.steps - 1 else None
+    thr_warm = {s: throughput(runs[(s, False)], warm - 1, args.batch) if warm and (s, False) in runs else None
+                for s in SYSTEMS}
     rec = {s: recovery(runs[(s, True)]) if (s, True) in runs else None for s in SYSTEMS}
     sha = {(s, c): digest(r) for (s, c), r in runs.items()}
     wall = {(s, c): r.wall_s for (s, c), r in runs.items()}
@@ -427,6 +447,10 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
         row("steady samples/s, median of steps", get(thr["ray"], "median"), get(thr["torchrun"], "median")),
         row("steady samples/s, over summed step time", get(thr["ray"], "step_time"), get(thr["torchrun"], "step_time")),
         row("steady samples/s, wall clock (+ckpt, report)", get(thr["ray"], "wall"), get(thr["torchrun"], "wall")),
+        *([row(f"  median, steps {warm}-{args.steps} (spares warm)", get(thr_warm["ray"], "median"),
+                get(thr_warm["torchrun"], "median")),
+           row(f"  over summed step time, steps {warm}-{args.steps}", get(thr_warm["ray"], "step_time"),
+               get(thr_warm["torchrun"], "step_time"))] if warm else []),
         row("steady CPU: workers, % of all cores", *(percent(get(thr[s], "workers_cpu")) for s in SYSTEMS), "{}",
             ratio=False),
         row("steady CPU: the rest of the run, % of all cores",
@@ -486,6 +510,8 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
             continue
         systems[s] = {
             "throughput": thr[s],
+            "throughput_spares_warm": thr_warm[s],
+            "spares_warm_from_step": warm,
             "startup_s": startup_s(runs[(s, False)]) if (s, False) in runs else None,
             "wall_undisturbed_s": wall.get((s, False)),
             "wall_crash_s": wall.get((s, True)),
@@ -519,13 +545,14 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, bool], Run], load: tu
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python bench/vs_torchrun.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=2000, help="max_steps of every run")
+    p.add_argument("--steps", type=int, default=5000,
+                   help="max_steps of every run: long enough for a steady window after Ray's spares have booted")
     p.add_argument("--dataset-size", type=int, default=8192, help="synthetic samples")
     p.add_argument("--batch", type=int, default=64, help="global batch size")
     p.add_argument("--workers", type=int, default=2, help="DDP workers (>= 2: rank 1 is the one killed)")
     p.add_argument("--cpu", type=float, default=1.0, help="CPUs (threads) per worker")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
-    p.add_argument("--crash-step", type=int, default=1500,
+    p.add_argument("--crash-step", type=int, default=4000,
                    help="step at which rank 1 is SIGKILLed; Ray's warm spares (failure.spares) boot from 5 s "
                         "after a group starts to train, so an earlier failure finds none")
     p.add_argument("--no-spares", action="store_true", help="Ray: failure.spares false (every restart boots "
