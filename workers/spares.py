@@ -59,21 +59,24 @@ def warm_up() -> None:
 
 
 def _group_training_here(job: str) -> bool:
-    for pid in _pids():
+    return any(cmdline.startswith(b"ray::RayTrainWorker") for cmdline, _ in _job_processes(job))
+
+
+def _job_processes(job: str):
+    """(command line, environment) of each of this Ray job's processes on this node, read
+    from /proc (none without it). A process's environment is readable to its own user,
+    as Ray's workers are to each other."""
+    key = f"RAY_JOB_ID={job}".encode()
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()] if os.path.isdir("/proc") else []:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if not f.read().startswith(b"ray::RayTrainWorker"):
-                    continue
+                cmdline = f.read()
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"RAY_JOB_ID={job}".encode() in f.read().split(b"\0"):
-                    return True
-        except OSError:
+                env = f.read().split(b"\0")
+        except OSError:  # gone, or not ours to read
             continue
-    return False
-
-
-def _pids() -> list[str]:
-    return [p for p in os.listdir("/proc") if p.isdigit()] if os.path.isdir("/proc") else []
+        if key in env:
+            yield cmdline, env
 
 
 def _import(idle: bool) -> None:
@@ -123,25 +126,12 @@ def keep(count: int, train: bool = True, after_s: float = FIRST_AFTER_S,
 
 def spares_here(job: str, train: bool = True) -> int:
     """This job's idle or booting Ray worker processes on this node, for training
-    workers or not. Read from /proc (0 without it): the raylet says how many idle workers
-    it has, but not whose or for which runtime env. A process's environment is readable
-    to its own user, as Ray's workers are to the worker asking."""
-    found = 0
+    workers or not. Read from /proc: the raylet says how many idle workers it has, but
+    not whose or for which runtime env."""
     marker = f"{TRAIN_WORKER_ENV}=1".encode()
-    for pid in _pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            # Idle, or still booting (setproctitle names it once it has connected).
-            if not (cmdline.startswith(b"ray::IDLE") or b"default_worker.py" in cmdline):
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:  # gone, or not ours to read
-            continue
-        if f"RAY_JOB_ID={job}".encode() in env and (marker in env) == train:
-            found += 1
-    return found
+    # Idle, or still booting (setproctitle names it once it has connected).
+    return sum(1 for cmdline, env in _job_processes(job)
+               if (cmdline.startswith(b"ray::IDLE") or b"default_worker.py" in cmdline) and (marker in env) == train)
 
 
 def at_launch(workers_here: int, train_env_vars: dict[str, str], controller_actors: int = 2) -> None:
@@ -157,8 +147,8 @@ def at_launch(workers_here: int, train_env_vars: dict[str, str], controller_acto
     with Ray Train's propagated variables (DataParallelTrainer._initialize_and_run_controller),
     the workers the controller's with those and RunConfig.worker_runtime_env's
     (WorkerGroup._get_worker_runtime_env). A string that came out different would only
-    leave the spares unused: tests/integration/test_recovery.py checks that the
-    workers start in them."""
+    leave the spares unused: tests/integration/test_recovery.py checks that none is
+    left idle once the workers train."""
     import ray
     from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
     from ray.train.v2._internal.constants import (
