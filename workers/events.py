@@ -210,7 +210,7 @@ class LiveRecovered(Event):
 
     EVENT = Kind.LIVE_RECOVERED
     attempt: int
-    failed_ranks: list[int]  # the ranks whose replacements joined meanwhile (one group per worker)
+    failed_ranks: list[int]  # the ranks that failed or whose replacements joined meanwhile (one group per worker)
     groups: list[int]
     failed_after_step: int  # the last step every group completed
     rejoined_at_step: int | None  # the first step every group completed again

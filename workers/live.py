@@ -112,8 +112,11 @@ class Tracker:
     def report(self, step: int | None, now: float | None) -> None:
         out = self.outage
         assert out is not None
-        joined = [e for e in events.events(self.run_dir, Kind.LIVE_JOINED) if e["time"] >= out.failed_at]
-        ranks = sorted({e["rank"] for e in joined})
+        # The replacements that joined, and the workers Ray Train saw fail: a replacement
+        # may not have joined by the end of the job.
+        since = [e for e in events.events(self.run_dir) if e["time"] >= out.failed_at and e.get("rank") is not None
+                 and e["event"] in (Kind.LIVE_JOINED, Kind.WORKER_FAILED)]
+        ranks = sorted({e["rank"] for e in since})
         self.recovered.append(events.emit(self.run_dir, events.LiveRecovered(
             attempt=self.attempt, failed_ranks=ranks, groups=ranks, failed_after_step=out.failed_after_step,
             rejoined_at_step=step, stall_s=round((out.first_step_at or now or time.time()) - out.failed_at, 3),
@@ -231,8 +234,8 @@ def train(spec: JobSpec, env: WorkerEnv, watchdog: Watchdog) -> dict[str, Any] |
             if first:
                 first = False
                 manager.wait_quorum()
-                if joining:
-                    _wait_for_a_peer(spec, manager, watchdog)
+                if joining and not _wait_for_a_peer(spec, manager, watchdog, total_steps):
+                    return None  # the survivors trained the last step while this replacement started
                 _first_quorum(spec, env, manager, attempt, joining, sound, model, optimizer, schedule, total_steps,
                               groups)
                 tracker.attempt = attempt["number"]
@@ -315,21 +318,28 @@ def _average(manager, params: list[torch.Tensor], loss: torch.Tensor, new: bool)
     return flat[-2], bool(flat[-1] > 0)
 
 
-def _wait_for_a_peer(spec: JobSpec, manager, watchdog: Watchdog) -> None:
+def _wait_for_a_peer(spec: JobSpec, manager, watchdog: Watchdog, total_steps: int) -> bool:
     """A replacement must join the survivors, never start a run of its own. While they
     are held up (a collective on a dead peer waits out its timeout) two replacements
     may find each other first and form a quorum without them, at step 0: seen with two
-    failures in a row. So it asks again until a peer at the job's step is in its quorum."""
+    failures in a row. So it asks again until a peer at the job's step is in its quorum.
+    False where the survivors trained the last step meanwhile (a failure near the end):
+    nothing is left for this group, and Ray Train ends the run once it returns."""
     deadline = time.monotonic() + 3 * spec.failure.collective_timeout_s
     # A group that is not participating is healing from a peer ahead of it.
-    while manager.is_participating() and \
-            manager.current_step() < ((metrics_read.latest(spec.run_dir) or {}).get("step") or 0):
+    while manager.is_participating():
+        done = (metrics_read.latest(spec.run_dir) or {}).get("step") or 0
+        if done >= total_steps:
+            return False
+        if manager.current_step() >= done:
+            return True
         if time.monotonic() > deadline:
             raise RuntimeError("no live peer joined this replacement's quorum: the survivors are gone")
         watchdog.beat("waiting for a live peer to join this replacement's quorum")
         time.sleep(0.2)
         manager.start_quorum()
         manager.wait_quorum()
+    return True
 
 
 def _first_quorum(spec: JobSpec, env: WorkerEnv, manager, attempt: dict[str, int], joining: bool,

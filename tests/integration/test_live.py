@@ -132,6 +132,27 @@ def test_a_second_failure_while_the_first_replacement_joins(ray_cluster, tmp_pat
     assert [m["step"] for m in _steps(run_dir)] == list(range(1, 261))
 
 
+def test_a_failure_just_before_the_end_completes_without_the_replacement(ray_cluster, tmp_path):
+    """The survivors train the last steps while the replacement starts: it finds nothing
+    left to join, ends, and the job succeeds (it failed waiting for a peer that had
+    finished, in bench/live_recovery.py's five failures over 400 steps)."""
+    proc, run_dir = start_job(ray_cluster, live_spec("live-late"), tmp_path)
+    try:
+        before = _started(run_dir, proc)
+        _wait("step 255 of 260", lambda: len(_steps(run_dir)) >= 255, proc)
+        os.kill(before[2][0], signal.SIGKILL)
+    finally:
+        outcome = finish(proc, run_dir)
+    assert outcome.rc == 0, outcome.output[-3000:]
+    assert outcome.summary["status"] == "succeeded" and outcome.summary["final_step"] == 260
+    assert outcome.summary["restarts"] == 0
+    (recovered,) = outcome.events("live_recovered")
+    assert recovered["failed_ranks"] == [2] and recovered["rejoined_at_step"] is None
+    assert recovered["survivors_restarted"] is False
+    assert _pids(run_dir)[0] == before[0] and _pids(run_dir)[1] == before[1]
+    assert [m["step"] for m in _steps(run_dir)] == list(range(1, 261))
+
+
 def test_when_every_worker_dies_the_job_resumes_from_the_newest_checkpoint(ray_cluster, tmp_path):
     proc, run_dir = start_job(ray_cluster, live_spec("live-all", steps=160), tmp_path)
     try:

@@ -47,6 +47,9 @@ def test_a_job_that_ends_before_the_replacement_joins_says_so(tmp_path):
     t = _tracker(tmp_path)
     t.committed(1, 3, leader=True, joined=False)
     t.committed(2, 2, leader=True, joined=False)
+    events.emit(str(tmp_path), events.WorkerFailed(rank=2, classification="infrastructure",
+                                                   error="worker process died", process_died=True))
     t.finish()
     (r,) = events.events(str(tmp_path), events.Kind.LIVE_RECOVERED)
     assert r["rejoined_at_step"] is None and r["rejoin_s"] is None and r["survivor_steps"] == 1
+    assert r["failed_ranks"] == [2]  # from Ray Train's word, since no replacement joined
