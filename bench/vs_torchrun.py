@@ -100,6 +100,7 @@ class Run:
     summary: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     cpu: CpuSampler = field(default_factory=CpuSampler)
+    spawned: float | None = None  # epoch seconds the bench started the command
 
     @property
     def name(self) -> str:
@@ -129,10 +130,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log_path: str, timeout: float, echo: bool,
-               cpu: CpuSampler | None = None) -> tuple[int, float, bool]:
+               cpu: CpuSampler | None = None, run: Run | None = None) -> tuple[int, float, bool]:
     """Run `cmd` in its own session, output to `log_path` (and stdout with echo); `cpu`
-    samples its process tree while it runs."""
+    samples its process tree while it runs; `run` gets the instant it was started."""
     started = time.monotonic()
+    if run is not None:
+        run.spawned = time.time()
     timed_out = threading.Event()
     with open(log_path, "w") as out:
         out.write("$ " + " ".join(cmd) + "\n")
@@ -194,7 +197,7 @@ def run_ray(run: Run, workdir: str, args: argparse.Namespace) -> None:
     ray_tmp = tempfile.mkdtemp(prefix="etb-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
     env["RAY_TMPDIR"] = ray_tmp
     cmd = [sys.executable, "-m", "workers.run", spec_path]
-    run.rc, run.wall_s, run.timed_out = run_logged(cmd, env, run.log_path, args.timeout, args.verbose, run.cpu)
+    run.rc, run.wall_s, run.timed_out = run_logged(cmd, env, run.log_path, args.timeout, args.verbose, run.cpu, run)
     run.summary = last_summary(run.log_path)
     if args.keep or not run.ok:
         run.notes.append(f"Ray logs in {ray_tmp}")
@@ -224,7 +227,7 @@ def run_torchrun(run: Run, workdir: str, args: argparse.Namespace) -> None:
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", spec.job_id,
            "--local-addr", "127.0.0.1", "--max-restarts", str(1 if run.crash else 0),
            WORKER, spec_path]
-    run.rc, run.wall_s, run.timed_out = run_logged(cmd, env, run.log_path, args.timeout, args.verbose, run.cpu)
+    run.rc, run.wall_s, run.timed_out = run_logged(cmd, env, run.log_path, args.timeout, args.verbose, run.cpu, run)
     error = None if run.rc == 0 else f"torchrun exited with {run.rc}" + (" (timed out)" if run.timed_out else "")
     run.summary = summarize(spec, run.wall_s, error)
     masters = []
@@ -273,11 +276,21 @@ def spares_warm_step(run: Run) -> int | None:
     return next((m["step"] for m in ms if m["time"] > quiet), None)
 
 
-def startup_s(run: Run) -> float | None:
-    """Job started (before Ray or torchrun is launched) -> first completed step."""
+def launched(run: Run) -> float | None:
+    """When the launch began: the bench starting the command (`python -m workers.run`
+    or torchrun), so that both systems' interpreter start and imports count. The job's
+    own job_started event comes after the Ray driver's imports (~2 s here)."""
+    if run.spawned is not None:
+        return run.spawned
     started = next(iter(events.events(run.run_dir, Kind.JOB_STARTED)), None)
+    return started["time"] if started else None
+
+
+def startup_s(run: Run) -> float | None:
+    """The command started -> first completed step."""
+    started = launched(run)
     first = min((m["time"] for m in events.metrics(run.run_dir) if m.get("attempt") == 1), default=None)
-    return first - started["time"] if started and first is not None else None
+    return first - started if started is not None and first is not None else None
 
 
 def recovery(run: Run) -> dict[str, Any] | None:
@@ -356,13 +369,16 @@ def restart_phases(run: Run) -> dict[str, float] | None:
 
 def launch_phases(run: Run) -> dict[str, float] | None:
     """Where launch to first step went (the undisturbed run)."""
-    started = next(iter(events.events(run.run_dir, Kind.JOB_STARTED)), None)
+    started = launched(run)
+    job = next(iter(events.events(run.run_dir, Kind.JOB_STARTED)), None)
     first = min((m["time"] for m in events.metrics(run.run_dir) if m.get("attempt") == 1), default=None)
-    if not started or first is None:
+    if started is None or first is None:
         return None
     workers = _started(run, 1)
     return _phases([
-        ("job started", started["time"]),
+        ("launch", started),
+        # The launcher's interpreter and imports (Ray's driver: ray, torch, ray.train).
+        ("job started", job["time"] if job and job["time"] > started else None),
         # Cluster (Ray: ray.init starts one; torchrun: the agent), controller, placement group.
         ("processes started", _latest(w.get("process_started") for w in workers)),
         ("process group up", _latest(w.get("ready") for w in workers)),

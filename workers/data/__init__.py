@@ -16,11 +16,8 @@ import torch
 from workers.data import text
 from workers.data.idx import read_idx
 from workers.data.synthetic import synthetic
+from workers.dataset_check import DatasetUnavailable, check_available  # noqa: F401  (its API)
 from workers.spec import TEXT_DATASETS, DatasetSpec
-
-
-class DatasetUnavailable(RuntimeError):
-    """The files are not there and cannot be fetched; the message says where they go."""
 
 
 class ImageSet:
@@ -145,30 +142,6 @@ def _tokens(spec: DatasetSpec, seed: int, context: int) -> Splits:
     n_val = int(round(len(samples) * spec.val_fraction))
     train, val = samples[: len(samples) - n_val], samples[len(samples) - n_val :]
     return Splits(ImageSet(train[:, :-1], train[:, 1:]), ImageSet(val[:, :-1], val[:, 1:]), 1, vocab, context)
-
-
-def check_available(spec: DatasetSpec) -> str | None:
-    """Fail fast, before any worker starts, when files are missing. Returns a notice
-    when the spec falls back to the synthetic set."""
-    missing = []
-    if spec.name in ("mnist", "fashion_mnist", "cifar10"):
-        try:
-            _torchvision(spec, seed=0)  # downloads once here rather than in every worker at once
-        except DatasetUnavailable as e:
-            if not spec.fallback_to_synthetic:
-                raise
-            return f"notice: {e}; training on the synthetic dataset instead"
-    elif spec.name == "idx":
-        missing = [p for p in (spec.images, spec.labels) if not os.path.isfile(p)]
-    elif spec.name == "image_folder" and not os.path.isdir(spec.root):
-        missing = [spec.root]
-    elif spec.name == "python_source" and not os.path.isdir(spec.root or text.source_root()):
-        missing = [spec.root or text.source_root()]
-    if not missing:
-        return None
-    if spec.fallback_to_synthetic:
-        return f"notice: {', '.join(missing)} not found; training on the synthetic dataset instead"
-    raise DatasetUnavailable(f"dataset {spec.name!r}: {', '.join(missing)} not found; put the files there")
 
 
 def load(spec: DatasetSpec, seed: int, context: int = 64) -> Splits:

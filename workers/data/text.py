@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import string
-import sysconfig
 
 import torch
+
+from workers.dataset_check import source_root
 
 # A fixed alphabet, not the corpus's own: the model's shape (and so a checkpoint) must not
 # depend on which files a machine happens to have. Anything else reads as UNKNOWN.
@@ -19,10 +20,6 @@ ALPHABET = string.printable
 UNKNOWN = len(ALPHABET)
 VOCAB_SIZE = len(ALPHABET) + 1
 _CODES = {c: i for i, c in enumerate(ALPHABET)}
-
-
-def source_root() -> str:
-    return sysconfig.get_paths()["stdlib"]
 
 
 def python_source(root: str | None, max_chars: int) -> str:
