@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 # Set on Ray Train's workers only (RunConfig.worker_runtime_env), so that the job's
 # setup hook, which Ray runs in every process of the job, warms only processes that
@@ -39,6 +40,14 @@ LAUNCH_KEEP_ALIVE_S = 120
 # A spare boots on the cores the workers train on (its imports at idle priority, Ray's
 # own start not): a job that ends within seconds of its start never pays for one.
 FIRST_AFTER_S = 5.0
+# The raylet starts at most min(cores, CPUs) worker processes at a time and drops the
+# rest of a request (2 here: of 3 workers' spares, one never came). What it dropped is
+# asked for again this soon, up to QUICK_RETRIES times in a row: long enough after a
+# request for the processes it started to show (~0.5-0.7 s at a launch here), so none
+# is asked for twice. A spare that dies as it boots is asked for again at the next top-up.
+RETRY_S = 2.0
+LAUNCH_RETRY_S = 1.5
+QUICK_RETRIES = 5
 
 
 def warm_up() -> None:
@@ -108,6 +117,7 @@ def keep(count: int, train: bool = True, after_s: float = FIRST_AFTER_S,
         import ray
 
         job = ray.get_runtime_context().get_job_id()
+        retries = 0
         while True:
             missing = count - spares_here(job, train)
             try:
@@ -116,7 +126,9 @@ def keep(count: int, train: bool = True, after_s: float = FIRST_AFTER_S,
             except Exception as exc:  # noqa: BLE001  (spares only make a restart faster: say so and train on)
                 print(f"[train] no warm spare processes for the next restart: {exc}", flush=True)
                 return
-            if not os.path.isdir("/proc") or stop.wait(TOP_UP_S):
+            retries = retries + 1 if missing > 0 else 0
+            soon = 0 < retries <= QUICK_RETRIES
+            if not os.path.isdir("/proc") or stop.wait(RETRY_S if soon else TOP_UP_S):
                 return  # without /proc no count: ask once, never pile spares up
 
     thread = threading.Thread(target=ask, name="etrain-spares", daemon=True)
@@ -128,10 +140,21 @@ def spares_here(job: str, train: bool = True) -> int:
     """This job's idle or booting Ray worker processes on this node, for training
     workers or not. Read from /proc: the raylet says how many idle workers it has, but
     not whose or for which runtime env."""
+    return _ray_workers_here(job, train, idle=True)
+
+
+def _ray_workers_here(job: str, train: bool, idle: bool) -> int:
+    """This job's Ray worker processes on this node in the training workers' env or not:
+    idle or booting ones only, or (`idle` False) those running an actor too."""
     marker = f"{TRAIN_WORKER_ENV}=1".encode()
-    # Idle, or still booting (setproctitle names it once it has connected).
-    return sum(1 for cmdline, env in _job_processes(job)
-               if (cmdline.startswith(b"ray::IDLE") or b"default_worker.py" in cmdline) and (marker in env) == train)
+    count = 0
+    for cmdline, env in _job_processes(job):
+        # Booting: Ray's worker script; setproctitle names it ray::IDLE once it has
+        # connected, and after its actor's class once it has one.
+        booting, named = b"default_worker.py" in cmdline, cmdline.startswith(b"ray::")
+        if (booting or (cmdline.startswith(b"ray::IDLE") if idle else named)) and (marker in env) == train:
+            count += 1
+    return count
 
 
 def at_launch(workers_here: int, train_env_vars: dict[str, str], controller_actors: int = 2) -> None:
@@ -162,9 +185,29 @@ def at_launch(workers_here: int, train_env_vars: dict[str, str], controller_acto
         RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR: os.environ.get(
             RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)}})
     worker = child_env(controller, {"env_vars": {**get_env_vars_to_propagate(), **train_env_vars}})
-    prestart(controller_actors, env=controller, keep_alive_s=LAUNCH_KEEP_ALIVE_S)
-    if workers_here > 0:
-        prestart(workers_here, env=worker, keep_alive_s=LAUNCH_KEEP_ALIVE_S)
+    wanted = [(False, controller_actors, controller), (True, workers_here, worker)]
+    for _, count, env in wanted:
+        if count > 0:
+            prestart(count, env=env, keep_alive_s=LAUNCH_KEEP_ALIVE_S)
+    if os.path.isdir("/proc"):
+        threading.Thread(target=_complete_launch, args=(ray.get_runtime_context().get_job_id(), wanted),
+                         name="etrain-launch-spares", daemon=True).start()
+
+
+def _complete_launch(job: str, wanted: list[tuple[bool, int, str]]) -> None:
+    """Ask again for the launch spares the raylet dropped. Counted with the processes
+    their actors already took, so none is asked for twice."""
+    for _ in range(QUICK_RETRIES):
+        time.sleep(LAUNCH_RETRY_S)
+        short = [(count - _ray_workers_here(job, train, idle=False), env) for train, count, env in wanted]
+        if all(n <= 0 for n, _ in short):
+            return
+        try:
+            for n, env in short:
+                if n > 0:
+                    prestart(n, env=env, keep_alive_s=LAUNCH_KEEP_ALIVE_S)
+        except Exception:  # noqa: BLE001  (the first request already said whether the raylet answers)
+            return
 
 
 def child_env(parent: str, child: dict) -> str:

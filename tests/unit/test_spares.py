@@ -111,3 +111,60 @@ def test_a_node_counts_only_its_jobs_idle_spares_so_they_never_pile_up():
         for p in procs:
             p.kill()
             p.wait()
+
+
+class Raylet:
+    """Starts at most `at_once` of a request's processes, as Ray's raylet does
+    (maximum_startup_concurrency: min(cores, CPUs)), and drops the rest."""
+
+    def __init__(self, at_once: int):
+        self.at_once, self.started, self.requests = at_once, {}, []
+
+    def prestart(self, count, env=None, keep_alive_s=None):
+        self.requests.append((count, env))
+        self.started[env] = self.started.get(env, 0) + min(count, self.at_once)
+
+
+def test_spares_the_raylet_dropped_are_asked_for_again(monkeypatch):
+    raylet = Raylet(at_once=2)
+    monkeypatch.setattr(spares, "prestart", raylet.prestart)
+    monkeypatch.setattr(spares, "spares_here", lambda job, train=True: raylet.started.get(None, 0))
+    monkeypatch.setattr(spares, "RETRY_S", 0.01)
+    monkeypatch.setattr(spares, "TOP_UP_S", 60)
+    monkeypatch.setattr("ray.get_runtime_context", lambda: type("C", (), {"get_job_id": lambda self: "0a"})())
+    stop = threading.Event()
+    spares.keep(3, after_s=0, stop=stop)
+    time.sleep(0.5)
+    stop.set()
+    assert raylet.started == {None: 3}
+    assert [n for n, _ in raylet.requests] == [3, 1]  # the dropped one, once: then full, the next top-up
+
+
+def test_a_spare_that_never_comes_is_asked_for_a_few_times_then_at_the_top_up(monkeypatch):
+    raylet = Raylet(at_once=0)
+    monkeypatch.setattr(spares, "prestart", raylet.prestart)
+    monkeypatch.setattr(spares, "spares_here", lambda job, train=True: 0)
+    monkeypatch.setattr(spares, "RETRY_S", 0.01)
+    monkeypatch.setattr(spares, "TOP_UP_S", 60)
+    monkeypatch.setattr("ray.get_runtime_context", lambda: type("C", (), {"get_job_id": lambda self: "0a"})())
+    stop = threading.Event()
+    spares.keep(1, after_s=0, stop=stop)
+    time.sleep(0.5)
+    stop.set()
+    assert len(raylet.requests) == 1 + spares.QUICK_RETRIES
+
+
+def test_launch_spares_the_raylet_dropped_are_asked_for_again_and_taken_ones_are_not(monkeypatch):
+    """At launch the controller takes its spare at once: counted with the busy processes,
+    it is not asked for again."""
+    raylet = Raylet(at_once=2)
+    monkeypatch.setattr(spares, "prestart", raylet.prestart)
+    monkeypatch.setattr(spares, "_ray_workers_here",
+                        lambda job, train, idle: raylet.started.get("worker" if train else "controller", 0))
+    monkeypatch.setattr(spares, "LAUNCH_RETRY_S", 0.01)
+    wanted = [(False, 2, "controller"), (True, 3, "worker")]
+    for train, count, env in wanted:
+        raylet.prestart(count, env)
+    spares._complete_launch("0a", wanted)
+    assert raylet.started == {"controller": 2, "worker": 3}
+    assert raylet.requests == [(2, "controller"), (3, "worker"), (1, "worker")]
