@@ -125,32 +125,30 @@ class Raylet:
         self.started[env] = self.started.get(env, 0) + min(count, self.at_once)
 
 
-def test_spares_the_raylet_dropped_are_asked_for_again(monkeypatch):
-    raylet = Raylet(at_once=2)
+def keep_for_a_while(monkeypatch, raylet: Raylet, count: int) -> None:
+    """spares.keep against `raylet`, retrying at once, for half a second."""
     monkeypatch.setattr(spares, "prestart", raylet.prestart)
     monkeypatch.setattr(spares, "spares_here", lambda job, train=True: raylet.started.get(None, 0))
     monkeypatch.setattr(spares, "RETRY_S", 0.01)
     monkeypatch.setattr(spares, "TOP_UP_S", 60)
     monkeypatch.setattr("ray.get_runtime_context", lambda: type("C", (), {"get_job_id": lambda self: "0a"})())
     stop = threading.Event()
-    spares.keep(3, after_s=0, stop=stop)
+    spares.keep(count, after_s=0, stop=stop)
     time.sleep(0.5)
     stop.set()
+
+
+def test_spares_the_raylet_dropped_are_asked_for_again(monkeypatch):
+    raylet = Raylet(at_once=2)
+    keep_for_a_while(monkeypatch, raylet, 3)
     assert raylet.started == {None: 3}
     assert [n for n, _ in raylet.requests] == [3, 1]  # the dropped one, once: then full, the next top-up
 
 
 def test_a_spare_that_never_comes_is_asked_for_a_few_times_then_at_the_top_up(monkeypatch):
     raylet = Raylet(at_once=0)
-    monkeypatch.setattr(spares, "prestart", raylet.prestart)
-    monkeypatch.setattr(spares, "spares_here", lambda job, train=True: 0)
-    monkeypatch.setattr(spares, "RETRY_S", 0.01)
-    monkeypatch.setattr(spares, "TOP_UP_S", 60)
-    monkeypatch.setattr("ray.get_runtime_context", lambda: type("C", (), {"get_job_id": lambda self: "0a"})())
-    stop = threading.Event()
-    spares.keep(1, after_s=0, stop=stop)
-    time.sleep(0.5)
-    stop.set()
+    keep_for_a_while(monkeypatch, raylet, 1)
+    assert raylet.started == {None: 0}
     assert len(raylet.requests) == 1 + spares.QUICK_RETRIES
 
 

@@ -16,7 +16,7 @@ import torch
 from workers.data import text
 from workers.data.idx import read_idx
 from workers.data.synthetic import synthetic
-from workers.dataset_check import DatasetUnavailable, check_available  # noqa: F401  (its API)
+from workers.dataset_check import DatasetUnavailable, check_available  # its API, re-exported
 from workers.spec import TEXT_DATASETS, DatasetSpec
 
 
