@@ -276,19 +276,11 @@ def spares_warm_step(run: Run) -> int | None:
     return next((m["step"] for m in ms if m["time"] > quiet), None)
 
 
-def launched(run: Run) -> float | None:
-    """When the launch began: the bench starting the command (`python -m workers.run`
-    or torchrun), so that both systems' interpreter start and imports count. The job's
-    own job_started event comes after the Ray driver's imports (~2 s here)."""
-    if run.spawned is not None:
-        return run.spawned
-    started = next(iter(events.events(run.run_dir, Kind.JOB_STARTED)), None)
-    return started["time"] if started else None
-
-
 def startup_s(run: Run) -> float | None:
-    """The command started -> first completed step."""
-    started = launched(run)
+    """The command started -> first completed step. From the bench starting the command
+    (`python -m workers.run` or torchrun), so that both systems' interpreter start and
+    imports count: the job's own job_started event came after the Ray driver's imports."""
+    started = run.spawned
     first = min((m["time"] for m in events.metrics(run.run_dir) if m.get("attempt") == 1), default=None)
     return first - started if started is not None and first is not None else None
 
@@ -369,7 +361,7 @@ def restart_phases(run: Run) -> dict[str, float] | None:
 
 def launch_phases(run: Run) -> dict[str, float] | None:
     """Where launch to first step went (the undisturbed run)."""
-    started = launched(run)
+    started = run.spawned
     job = next(iter(events.events(run.run_dir, Kind.JOB_STARTED)), None)
     first = min((m["time"] for m in events.metrics(run.run_dir) if m.get("attempt") == 1), default=None)
     if started is None or first is None:

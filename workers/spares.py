@@ -140,21 +140,22 @@ def spares_here(job: str, train: bool = True) -> int:
     """This job's idle or booting Ray worker processes on this node, for training
     workers or not. Read from /proc: the raylet says how many idle workers it has, but
     not whose or for which runtime env."""
-    return _ray_workers_here(job, train, idle=True)
+    return _ray_workers_here(job, idle=True)[train]
 
 
-def _ray_workers_here(job: str, train: bool, idle: bool) -> int:
-    """This job's Ray worker processes on this node in the training workers' env or not:
-    idle or booting ones only, or (`idle` False) those running an actor too."""
+def _ray_workers_here(job: str, idle: bool) -> dict[bool, int]:
+    """This job's Ray worker processes on this node, idle or booting ones only, or
+    (`idle` False) those running an actor too; counted by whether they are in the
+    training workers' env (True) or not, in one pass over /proc."""
     marker = f"{TRAIN_WORKER_ENV}=1".encode()
-    count = 0
+    # Booting: Ray's worker script; setproctitle names it ray::IDLE once it has
+    # connected, and after its actor's class once it has one.
+    named = b"ray::IDLE" if idle else b"ray::"
+    counts = {True: 0, False: 0}
     for cmdline, env in _job_processes(job):
-        # Booting: Ray's worker script; setproctitle names it ray::IDLE once it has
-        # connected, and after its actor's class once it has one.
-        booting, named = b"default_worker.py" in cmdline, cmdline.startswith(b"ray::")
-        if (booting or (cmdline.startswith(b"ray::IDLE") if idle else named)) and (marker in env) == train:
-            count += 1
-    return count
+        if b"default_worker.py" in cmdline or cmdline.startswith(named):
+            counts[marker in env] += 1
+    return counts
 
 
 def at_launch(workers_here: int, train_env_vars: dict[str, str], controller_actors: int = 2) -> None:
@@ -199,7 +200,8 @@ def _complete_launch(job: str, wanted: list[tuple[bool, int, str]]) -> None:
     their actors already took, so none is asked for twice."""
     for _ in range(QUICK_RETRIES):
         time.sleep(LAUNCH_RETRY_S)
-        short = [(count - _ray_workers_here(job, train, idle=False), env) for train, count, env in wanted]
+        have = _ray_workers_here(job, idle=False)
+        short = [(count - have[train], env) for train, count, env in wanted]
         if all(n <= 0 for n, _ in short):
             return
         try:

@@ -158,7 +158,7 @@ def test_launch_spares_the_raylet_dropped_are_asked_for_again_and_taken_ones_are
     raylet = Raylet(at_once=2)
     monkeypatch.setattr(spares, "prestart", raylet.prestart)
     monkeypatch.setattr(spares, "_ray_workers_here",
-                        lambda job, train, idle: raylet.started.get("worker" if train else "controller", 0))
+                        lambda job, idle: {True: raylet.started.get("worker", 0), False: raylet.started.get("controller", 0)})
     monkeypatch.setattr(spares, "LAUNCH_RETRY_S", 0.01)
     wanted = [(False, 2, "controller"), (True, 3, "worker")]
     for train, count, env in wanted:
