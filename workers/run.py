@@ -354,7 +354,7 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
     if not verbose:
         sys.stdout = QuietRay(stdout)
     own_cluster = not os.environ.get("RAY_ADDRESS")  # ray.init starts one, and stops it at the end
-    imports = _import_trainer()
+    imports = _import_trainer(spec)
     _ray_init(spec, verbose, code)
     if _wants_spares(spec):
         _launch_spares(spec, own_cluster)
@@ -394,16 +394,20 @@ def run(spec: JobSpec, verbose: bool = False, code: str | None = None, tee: bool
     return summary
 
 
-def _import_trainer() -> threading.Thread:
-    """Import torch and Ray Train (~2 CPU-s here) while ray.init starts the cluster,
-    which spends most of its seconds waiting for Ray's processes: launch to first step
-    went from 9.4-10.0 s to 7.8-8.3 s here. The checks before Ray need neither
-    (workers/dataset_check.py).
+def _import_trainer(spec: JobSpec) -> threading.Thread:
+    """Import Ray Train (~1 CPU-s here; torch too in live mode, ~1.3 more) while ray.init
+    starts the cluster, which spends most of its seconds waiting for Ray's processes:
+    launch to first step went from 9.4-10.0 s to 7.8-8.3 s here. The checks before Ray
+    need neither (workers/dataset_check.py). In exact mode the driver never imports
+    torch (workers/torch_backend.py).
     An import that fails here fails again, with its traceback, where it is used."""
+    names = ["workers.recorder", "workers.trainer", "workers.torch_backend"]
+    if spec.failure.mode == "live":
+        names.append("ray.train.v2.torch.torchft_config")
 
     def load() -> None:
         try:
-            for name in ("ray.train.torch", "workers.recorder", "workers.trainer"):
+            for name in names:
                 importlib.import_module(name)
         except Exception:  # noqa: BLE001, S110
             pass
@@ -458,7 +462,7 @@ def _trainer(spec: JobSpec, run_dir: str, own_cluster: bool):
             resources_per_worker={"CPU": spec.resources.cpu, **({"GPU": spec.resources.gpu} if use_gpu else {}),
                                   **spec.resources.custom},
         ),
-        torch_config=_torch_config(spec, use_gpu),
+        backend_config=_torch_config(spec, use_gpu),
         run_config=RunConfig(
             name=spec.job_id,
             storage_path=spec.storage,
@@ -492,7 +496,7 @@ def _may_retry(spec: JobSpec, fallbacks: int) -> bool:
 
 
 def _torch_config(spec: JobSpec, use_gpu: bool):
-    from ray.train.torch import TorchConfig
+    from workers.torch_backend import TorchConfig
 
     backend = "nccl" if use_gpu else "gloo"
     if spec.failure.mode == "live":

@@ -160,8 +160,8 @@ def _ray_workers_here(job: str, idle: bool) -> dict[bool, int]:
 
 def at_launch(workers_here: int, train_env_vars: dict[str, str], controller_actors: int = 2) -> None:
     """From the driver, after ray.init and before the trainer starts: the processes Ray
-    Train is about to start on this node, booted now, while the driver imports torch
-    and builds the trainer. `controller_actors` in the controller's runtime env (the
+    Train is about to start on this node, booted now, while the driver imports Ray
+    Train and builds the trainer. `controller_actors` in the controller's runtime env (the
     controller, pinned to the driver's node, the synchronization actor it starts beside
     itself, and on a shared cluster its placement-group cleaner) and `workers_here` in
     the training workers' env.

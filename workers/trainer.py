@@ -1,17 +1,21 @@
-"""Ray Train's TorchTrainer, less the Ray worker processes this project has no use for,
-and a warm spare for one it starts with every worker group."""
+"""Ray Train's TorchTrainer, less the Ray worker processes this project has no use for
+and torch in the driver, and a warm spare for one it starts with every worker group."""
 
 from __future__ import annotations
 
-from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 
-class Trainer(TorchTrainer):
-    """Each actor Ray Train starts is one more Ray worker process booting (~1-2 CPU-s
+class Trainer(DataParallelTrainer):
+    """Ray's TorchTrainer only fills in a default `TorchConfig`, from `ray.train.torch`,
+    which imports torch: this project always passes its backend config
+    (workers/torch_backend.py in exact mode), so the driver never needs torch.
+
+    Each actor Ray Train starts is one more Ray worker process booting (~1-2 CPU-s
     each here) beside the workers that are starting, on the same cores. Left out:
 
     - Ray Data's callback, with no Ray datasets: it starts a DatasetManager actor for
