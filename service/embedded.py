@@ -23,6 +23,9 @@ from service.settings import without_secrets
 
 RECORD_VERSION = 1
 HEAD_RECORD = "ray-head.json"  # in the data directory of `etrain serve`
+TEMP_PREFIX = "etrain-ray-"  # a head's temp dir, made by start() in the system's temp dir
+RAY_LOGS = "ray-logs"  # beside the head's own log: the Ray logs of its stopped heads
+KEEP_SESSIONS = 5
 
 
 class RayStartError(RuntimeError):
@@ -173,7 +176,7 @@ class EmbeddedRay:
             # (Ray's job supervisor sets its RAY_ADDRESS so): in the shared /tmp/ray, this head's
             # jobs joined whichever Ray had started last on the machine. A temp dir of its own
             # (short, as it holds unix sockets; owner-only) keeps them here. Joining nodes take the head's.
-            self.temp_dir = tempfile.mkdtemp(prefix="etrain-ray-")
+            self.temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
             cmd = [*cmd, "--temp-dir", self.temp_dir]
         self.say(f"starting a local Ray head (dashboard {self.dashboard_url}) ...")
         with open(self.log_path, "ab") as log:
@@ -332,6 +335,7 @@ class EmbeddedRay:
             self._reap()
             if not group_alive(leader):
                 self._forget()
+                self._file_logs_away()
         finally:
             if not keep_lock:
                 self._unlock()
@@ -343,6 +347,28 @@ class EmbeddedRay:
             return True  # our child, not reaped yet: its pid is not reused before we reap it
         stat = proc_stat(self.pid)
         return stat is None or stat.start_time == self.start_time
+
+    def _file_logs_away(self) -> None:
+        """A stopped head's temp dir holds its sockets and Ray's logs of the session, and
+        Ray never removes it (nor /tmp/ray/session_*): every start of `etrain serve` and
+        of the test suite's cluster left 4-36 MB in /tmp. The logs move beside the head's
+        own log (`ray-logs/<session>`, the newest KEEP_SESSIONS kept) for a post-mortem;
+        the temp dir goes. Only a temp dir start() made: a joining node's is its head's."""
+        temp_dir, self.temp_dir = self.temp_dir, None
+        if not temp_dir or not os.path.basename(temp_dir).startswith(TEMP_PREFIX) \
+                or os.path.dirname(temp_dir) != tempfile.gettempdir():
+            return
+        session = _session_dir(temp_dir)
+        kept = Path(self.log_path).parent / RAY_LOGS
+        try:
+            if session and os.path.isdir(os.path.join(session, "logs")):
+                kept.mkdir(exist_ok=True)
+                shutil.move(os.path.join(session, "logs"), kept / os.path.basename(session))
+                for old in sorted(kept.glob("session_*"))[:-KEEP_SESSIONS]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:  # the logs are a courtesy: the temp dir goes in any case
+            self.say(f"could not keep the Ray head's logs ({e}); removing them with its temp dir")
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
     def _reap(self) -> None:
         if self.proc is not None:

@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import asdict
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service import embedded
 from service.embedded import EmbeddedRay, HeadRecord, RayStartError, cause_of, not_ours
 from service.procs import boot_id, describe, proc_cmdline, proc_stat
 from tests.conftest import ROOT, free_port
@@ -373,6 +375,39 @@ def test_what_is_left_of_a_recorded_head_whose_ray_start_died_is_stopped(tmp_pat
     assert not (tmp_path / "ray-head.json").exists()
 
 
+def stopped_head_dir(session: str) -> str:
+    """A temp dir as a head that start() made leaves it: a session with logs, sockets."""
+    temp_dir = tempfile.mkdtemp(prefix=embedded.TEMP_PREFIX)
+    for part in ("logs", "sockets"):
+        os.makedirs(os.path.join(temp_dir, session, part))
+    Path(temp_dir, session, "logs", "raylet.out").write_text(session)
+    os.symlink(os.path.join(temp_dir, session), os.path.join(temp_dir, "session_latest"))
+    return temp_dir
+
+
+def test_a_stopped_heads_temp_dir_goes_and_its_logs_are_kept_beside_the_heads_log(tmp_path):
+    head = EmbeddedRay(gcs_port=free_port(), dashboard_port=free_port(), num_cpus=1,
+                       log_path=str(tmp_path / "ray-head.log"))
+    kept = tmp_path / embedded.RAY_LOGS
+    sessions = [f"session_2026-12-0{i}_10-00-00_000000_{i}" for i in range(1, embedded.KEEP_SESSIONS + 3)]
+    for session in sessions:
+        head.temp_dir = temp_dir = stopped_head_dir(session)
+        head._file_logs_away()
+        assert not os.path.exists(temp_dir) and head.temp_dir is None
+        assert (kept / session / "raylet.out").read_text() == session
+    assert sorted(p.name for p in kept.iterdir()) == sessions[-embedded.KEEP_SESSIONS:]  # the newest
+
+
+def test_a_temp_dir_start_did_not_make_is_left_alone(tmp_path):
+    head = EmbeddedRay(gcs_port=free_port(), dashboard_port=free_port(), num_cpus=1,
+                       log_path=str(tmp_path / "ray-head.log"))
+    head.temp_dir = str(tmp_path / "ray-temp")  # a joining node's, a user's --temp-dir
+    os.makedirs(os.path.join(head.temp_dir, "session_x", "logs"))
+    head._file_logs_away()
+    assert os.path.isdir(os.path.join(tmp_path, "ray-temp", "session_x", "logs"))
+    assert not (tmp_path / embedded.RAY_LOGS).exists()
+
+
 def test_an_unreadable_record_is_set_aside(tmp_path, ray_home):
     (tmp_path / "ray-head.json").write_text("{not json")
     notes: list[str] = []
@@ -461,6 +496,10 @@ def test_serve_killed_mid_job_adopts_its_head_on_restart_and_stopping_leaves_no_
         while _ours_left(record) and time.time() < deadline:
             time.sleep(0.5)
         assert _ours_left(record) == []
+        # Its temp dir is gone; Ray's logs of that session are kept in the data directory.
+        assert not os.path.exists(record["temp_dir"])
+        assert (data / "ray-logs" / os.path.basename(record["session_dir"]) / "raylet.out").is_file(), \
+            sorted(os.listdir(data))
     finally:
         for serve in (first, second):
             if serve is not None:
