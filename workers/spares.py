@@ -197,19 +197,27 @@ def at_launch(workers_here: int, train_env_vars: dict[str, str], controller_acto
 
 def _complete_launch(job: str, wanted: list[tuple[bool, int, str]]) -> None:
     """Ask again for the launch spares the raylet dropped. Counted with the processes
-    their actors already took, so none is asked for twice."""
-    for _ in range(QUICK_RETRIES):
+    their actors already took, so none is asked for twice; and only once no new process
+    came in the last LAUNCH_RETRY_S: on a loaded host the raylet may still be starting
+    what it was asked for after that long, and asking again then leaves one spare too
+    many idle (seen once in CI, with a launch spare of the controller's env left over)."""
+    seen = None
+    for _ in range(QUICK_RETRIES + 1):
         time.sleep(LAUNCH_RETRY_S)
         have = _ray_workers_here(job, idle=False)
         short = [(count - have[train], env) for train, count, env in wanted]
         if all(n <= 0 for n, _ in short):
             return
+        if have != seen:
+            seen = have
+            continue
         try:
             for n, env in short:
                 if n > 0:
                     prestart(n, env=env, keep_alive_s=LAUNCH_KEEP_ALIVE_S)
         except Exception:  # noqa: BLE001  (the first request already said whether the raylet answers)
             return
+        seen = None  # what this request starts shows in the counts to come
 
 
 def child_env(parent: str, child: dict) -> str:
